@@ -1,0 +1,19 @@
+"""rudax.optim: optax-compatible optimizers and the training math around them.
+
+Every optimizer here is an ``optax.GradientTransformation`` whose update rule and defaults
+follow PyTorch's ``torch.optim``; it composes with ``optax.chain`` and every optax transform.
+"""
+
+# Each block re-exports one area's public names, one per line (``from ._x import a as a``).
+
+# [block: torch-style optimizers: _sgd, _adam, _adagrad, _rmsprop]
+
+# [block: adan and muon: _adan, _muon]
+
+# [block: lbfgs: _lbfgs]
+
+# [block: schedules, clipping, accumulation: _schedules, _clipping, _accumulation]
+
+# [block: master weights and loss scaling: _master, _loss_scale]
+
+__all__: list[str] = []  # filled in once every block above is in place

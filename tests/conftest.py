@@ -1,0 +1,34 @@
+"""Test settings shared by the whole suite.
+
+The device count must be fixed before JAX initialises its backends, so it is set here, at
+import time of the first conftest, before any test module imports jax.
+"""
+
+import os
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _dtype_promotion(request):
+    """Runs every test under strict dtype promotion unless marked ``standard_promotion``.
+
+    Strict promotion turns an accidental bf16 + fp32 mix into an error instead of a silent
+    upcast: precision in rudax is explicit, and rudax's own code must run under it. optax's
+    own code does not (its schedules multiply a Python float by an int32 count, its moment
+    updates mix dtypes), so tests that run optax code mark themselves and say so.
+    """
+    mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
+    with jax.numpy_dtype_promotion(mode):
+        yield
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
+
