@@ -7,6 +7,11 @@ follow PyTorch's ``torch.optim``; it composes with ``optax.chain`` and every opt
 # Each block re-exports one area's public names, one per line (``from ._x import a as a``).
 
 # [block: torch-style optimizers: _sgd, _adam, _adagrad, _rmsprop]
+from rudax.optim._adagrad import adagrad as adagrad
+from rudax.optim._adam import adam as adam
+from rudax.optim._adam import adamw as adamw
+from rudax.optim._rmsprop import rmsprop as rmsprop
+from rudax.optim._sgd import sgd as sgd
 
 # [block: adan and muon: _adan, _muon]
 

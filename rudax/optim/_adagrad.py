@@ -1,0 +1,143 @@
+"""Adagrad with ``torch.optim.Adagrad``'s update rule and defaults.
+
+torch and optax disagree on three points, so ``optax.adagrad`` cannot be reused: torch adds
+``eps`` (1e-10) outside the square root, optax inside (1e-7); torch's accumulator starts at 0,
+optax's at 0.1; and torch has ``lr_decay`` and an L2 ``weight_decay``, optax neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rudax.optim._adam import (
+    Schedule,
+    as_weak,
+    scale_by_learning_rate,
+    static_nonzero,
+    with_moment_dtype,
+)
+from rudax.optim._validation import check_learning_rate, check_non_negative
+
+
+class ScaleByTorchAdagradState(NamedTuple):
+    """State of ``scale_by_torch_adagrad``; field names are torch's ``Adagrad`` state keys."""
+
+    count: jax.Array  # shape=(), int32: completed updates, for lr_decay
+    sum: Any  # like params: initial_accumulator_value plus the sum of squared gradients
+
+
+def scale_by_torch_adagrad(
+    lr_decay: float = 0.0, initial_accumulator_value: float = 0.0, eps: float = 1e-10
+) -> optax.GradientTransformation:
+    """Scales gradients by torch's Adagrad direction (no learning rate, no weight decay).
+
+    With ``t`` the 1-based update count::
+
+        s = s + g**2
+        u = g / (sqrt(s) + eps) / (1 + (t - 1) * lr_decay)
+
+    Args:
+      lr_decay: the learning-rate decay, >= 0.
+      initial_accumulator_value: the starting value of ``s``, >= 0.
+      eps: added to ``sqrt(s)``, >= 0.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a ``ScaleByTorchAdagradState``.
+    """
+    check_non_negative("lr_decay", lr_decay)
+    check_non_negative("initial_accumulator_value", initial_accumulator_value)
+    check_non_negative("eps", eps)
+    lr_decay, eps = as_weak(lr_decay), as_weak(eps)
+    initial_accumulator_value = as_weak(initial_accumulator_value)
+
+    def init_fn(params: Any) -> ScaleByTorchAdagradState:
+        return ScaleByTorchAdagradState(
+            count=jnp.zeros((), jnp.int32),
+            sum=jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params),
+        )
+
+    def update_fn(
+        updates: Any, state: ScaleByTorchAdagradState, params: Any = None
+    ) -> tuple[Any, ScaleByTorchAdagradState]:
+        del params
+        # Before the increment the count is torch's t - 1.
+        decay = 1 + state.count.astype(jnp.float32) * lr_decay
+        sums = jax.tree.map(lambda g, s: s + g * g, updates, state.sum)
+        new_updates = jax.tree.map(
+            lambda g, s: g / (jnp.sqrt(s) + eps) / decay.astype(g.dtype), updates, sums
+        )
+        return new_updates, ScaleByTorchAdagradState(optax.safe_increment(state.count), sums)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adagrad(
+    learning_rate: float | Schedule,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    *,
+    moment_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """Adagrad with torch's rules: ``eps`` outside the root, ``lr_decay``, L2 weight decay.
+
+    With ``t`` the 1-based update count and ``lr_t`` the learning rate at this update::
+
+        g = g + weight_decay * p                  (L2)
+        s = s + g**2                              (s starts at initial_accumulator_value)
+        p = p - lr_t / (1 + (t - 1) * lr_decay) * g / (sqrt(s) + eps)
+
+    This is ``torch.optim.Adagrad``. ``optax.adagrad`` computes ``g / sqrt(s + eps)`` with
+    ``eps=1e-7``, starts ``s`` at 0.1, and has neither ``lr_decay`` nor weight decay. A
+    schedule as ``learning_rate`` and ``lr_decay`` multiply, as a torch LR scheduler and
+    ``lr_decay`` do.
+
+    Args:
+      learning_rate: a number >= 0, or a schedule mapping the update count (0 at the first
+        update) to the learning rate; it is evaluated once per update.
+      lr_decay: the learning-rate decay, >= 0.
+      weight_decay: L2 coefficient added to the gradient; >= 0.
+      initial_accumulator_value: the starting value of the sum of squares, >= 0.
+      eps: added to the root of the sum of squares, >= 0.
+      moment_dtype: dtype of the sum-of-squares buffer and of the update arithmetic (None:
+        each parameter's own dtype). Updates are returned in the parameters' dtype.
+
+    Returns:
+      An ``optax.GradientTransformation``: ``chain(add_decayed_weights,
+      scale_by_torch_adagrad, scale_by_learning_rate)`` (the decay only when ``weight_decay``
+      is non-zero).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import rudax.optim as ro
+      >>> params = {"w": jnp.array([1.0, -2.0])}
+      >>> tx = ro.adagrad(0.1, initial_accumulator_value=3.0)
+      >>> updates, state = tx.update({"w": jnp.array([1.0, -1.0])}, tx.init(params), params)
+      >>> new_params = optax.apply_updates(params, updates)  # p - 0.1 * g / sqrt(3 + 1)
+      >>> [round(x, 6) for x in new_params["w"].tolist()]
+      [0.95, -1.95]
+
+    References:
+      Duchi et al., `Adaptive Subgradient Methods for Online Learning and Stochastic
+      Optimization <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011; PyTorch,
+      ``torch.optim.Adagrad``.
+    """
+    check_learning_rate(learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+    decay = (
+        [optax.add_decayed_weights(as_weak(weight_decay))] if static_nonzero(weight_decay) else []
+    )
+    return with_moment_dtype(
+        optax.chain(
+            *decay,
+            scale_by_torch_adagrad(lr_decay, initial_accumulator_value, eps),
+            scale_by_learning_rate(learning_rate),
+        ),
+        moment_dtype,
+    )
