@@ -14,6 +14,10 @@ from rudax.optim._rmsprop import rmsprop as rmsprop
 from rudax.optim._sgd import sgd as sgd
 
 # [block: adan and muon: _adan, _muon]
+from rudax.optim._adan import adan as adan
+from rudax.optim._adan import scale_by_adan as scale_by_adan
+from rudax.optim._muon import muon as muon
+from rudax.optim._muon import scale_by_muon as scale_by_muon
 
 # [block: lbfgs: _lbfgs]
 

@@ -1,0 +1,243 @@
+"""Adan: adaptive Nesterov momentum, as the authors' PyTorch code (sail-sg/Adan) computes it."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rudax.optim._validation import (
+    check_float_dtype,
+    check_in_range,
+    check_learning_rate,
+    check_non_negative,
+)
+
+
+class ScaleByAdanState(NamedTuple):
+    count: jax.Array  # shape=(), int32: updates applied so far
+    m: optax.Updates  # EMA of gradients, moment_dtype
+    v: optax.Updates  # EMA of gradient differences g_t - g_{t-1}, moment_dtype
+    n: optax.Updates  # EMA of (g_t + b2 (g_t - g_{t-1}))^2, moment_dtype
+    prev_grad: optax.Updates  # g_{t-1}, moment_dtype; unused by the first update
+
+
+def scale_by_adan(
+    b1: float = 0.98,
+    b2: float = 0.92,
+    b3: float = 0.99,
+    eps: float = 1e-8,
+    *,
+    moment_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """Rescales gradients into Adan's bias-corrected Nesterov direction (no learning rate).
+
+    With ``d_t = g_t - g_{t-1}`` (``d_1 = 0``: the first step's previous gradient is the
+    current one) and ``c_i = 1 - b_i**t``::
+
+        m_t = b1 m_{t-1} + (1 - b1) g_t
+        v_t = b2 v_{t-1} + (1 - b2) d_t
+        n_t = b3 n_{t-1} + (1 - b3) (g_t + b2 d_t)**2
+        u_t = (m_t / c1 + b2 v_t / c2) / (sqrt(n_t) / sqrt(c3) + eps)
+
+    Moments are stored in ``moment_dtype`` and computed in the wider of it and the gradient's
+    dtype; ``u_t`` is returned in the parameters' dtype (the gradients' if no params are given).
+
+    Args:
+      b1: decay of the gradient EMA (the paper's ``1 - beta1``).
+      b2: decay of the gradient-difference EMA (the paper's ``1 - beta2``).
+      b3: decay of the squared-term EMA (the paper's ``1 - beta3``).
+      eps: added to the denominator outside the square root.
+      moment_dtype: dtype of ``m``, ``v``, ``n`` and the previous gradient; None keeps each
+        parameter's dtype.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a ``ScaleByAdanState``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import rudax.optim as ro
+      >>> tx = ro.scale_by_adan()
+      >>> g = jnp.array([0.5, -2.0])
+      >>> u, _ = tx.update(g, tx.init(g))
+      >>> u.round(4)  # the first step is g / (|g| + eps)
+      Array([ 1., -1.], dtype=float32)
+
+    References:
+      Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
+      Models <https://arxiv.org/abs/2208.06677>`_, 2022; https://github.com/sail-sg/Adan.
+    """
+    for name, value in (("b1", b1), ("b2", b2), ("b3", b3)):
+        check_in_range(name, value, 0.0, 1.0)
+    check_non_negative("eps", eps)
+    check_float_dtype("moment_dtype", moment_dtype)
+    b1, b2, b3, eps = (_weak_float(x) for x in (b1, b2, b3, eps))
+
+    def init_fn(params: optax.Params) -> ScaleByAdanState:
+        zeros = lambda p: jnp.zeros(p.shape, moment_dtype or p.dtype)
+        return ScaleByAdanState(
+            count=jnp.zeros([], jnp.int32),
+            m=jax.tree.map(zeros, params),
+            v=jax.tree.map(zeros, params),
+            n=jax.tree.map(zeros, params),
+            prev_grad=jax.tree.map(zeros, params),
+        )
+
+    def update_fn(updates, state, params=None):
+        # Updates take the parameters' dtype, so apply_updates needs no implicit promotion
+        # when fp32 gradients (unscaled, accumulated) meet bf16 parameters.
+        like = updates if params is None else params
+        first = state.count == 0
+        count = optax.safe_increment(state.count)
+        # Bias corrections in fp32 whatever the moment dtype: 1 - b**t for b near 1 needs more
+        # than bf16's 8 mantissa bits.
+        t = count.astype(jnp.float32)
+        c1, c2, c3 = (1.0 - b**t for b in (b1, b2, b3))
+
+        def leaf(g_in, p, m, v, n, prev):
+            store, dtype = m.dtype, _wider(g_in.dtype, m.dtype)
+            g = g_in.astype(dtype)
+            d = jnp.where(first, jnp.zeros_like(g), g - prev.astype(dtype))
+            m = b1 * m.astype(dtype) + (1.0 - b1) * g
+            v = b2 * v.astype(dtype) + (1.0 - b2) * d
+            nesterov_g = g + b2 * d
+            n = b3 * n.astype(dtype) + (1.0 - b3) * (nesterov_g * nesterov_g)
+            denom = jnp.sqrt(n) / jnp.sqrt(c3).astype(dtype) + eps
+            u = (m / c1.astype(dtype) + b2 * v / c2.astype(dtype)) / denom
+            return u.astype(p.dtype), *(x.astype(store) for x in (m, v, n, g))
+
+        treedef = jax.tree.structure(updates)
+        out = treedef.flatten_up_to(
+            jax.tree.map(leaf, updates, like, state.m, state.v, state.n, state.prev_grad)
+        )
+        u, m, v, n, g = (treedef.unflatten([o[i] for o in out]) for i in range(5))
+        return u, ScaleByAdanState(count=count, m=m, v=v, n=n, prev_grad=g)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _wider(a: Any, b: Any) -> Any:
+    """The compute dtype of a gradient and a moment, asked under standard promotion on purpose:
+    strict mode (rightly) refuses to guess it, but here the wider dtype is the stated rule."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(a, b)
+
+
+def _weak_float(value: Any) -> Any:
+    """A concrete number as a Python float: a numpy or jax float32 scalar is strongly typed and
+    would fail strict promotion against bf16 updates, a Python float adopts their dtype."""
+    if callable(value) or isinstance(value, jax.core.Tracer):
+        return value
+    return float(value)
+
+
+class ProximalWeightDecayState(NamedTuple):
+    count: jax.Array  # shape=(), int32: updates applied so far, to evaluate a schedule
+
+
+def _proximal_weight_decay(
+    learning_rate: optax.ScalarOrSchedule, weight_decay: float
+) -> optax.GradientTransformation:
+    """Turns an update u into the one giving (p + u) / (1 + lr * weight_decay).
+
+    Adan's default (``no_prox=False``) decay is the proximal step of the L2 penalty, applied
+    after the gradient step; it shrinks by ``1 / (1 + lr wd)`` where AdamW's shrinks by
+    ``1 - lr wd``. As an additive update: ``(u - lr wd p) / (1 + lr wd)``.
+    """
+
+    def init_fn(params):
+        del params
+        return ProximalWeightDecayState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(
+                "adan's weight decay needs params: call tx.update(grads, state, params)"
+            )
+        new_state = ProximalWeightDecayState(count=optax.safe_increment(state.count))
+        if isinstance(weight_decay, float) and weight_decay == 0.0:
+            return updates, new_state
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        decay = lr * weight_decay
+
+        def leaf(u, p):
+            c = jnp.asarray(decay, dtype=u.dtype)
+            return (u - c * p.astype(u.dtype)) / (1 + c)
+
+        return jax.tree.map(leaf, updates, params), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adan(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.98,
+    b2: float = 0.92,
+    b3: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    moment_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """Adan (Xie et al. 2022), matching the authors' PyTorch ``Adan`` with ``no_prox=False``.
+
+    With ``u_t`` the direction of :func:`scale_by_adan` (bias-corrected EMAs of the gradient,
+    of the gradient difference and of the squared Nesterov gradient ``g_t + b2 (g_t - g_{t-1})``;
+    the first step takes ``g_0 = g_1``), each update is::
+
+        p_t = (p_{t-1} - lr_t u_t) / (1 + lr_t weight_decay)
+
+    **Beta convention.** ``b1, b2, b3`` are decay rates, as in the official code and in
+    optax: the paper writes ``beta_i = 1 - b_i``, so the paper's ``beta1 = 0.02`` is
+    ``b1 = 0.98``, and its ``(1 - beta2)`` weight of the difference term is ``b2``. Defaults are
+    the official ``betas=(0.98, 0.92, 0.99)``.
+
+    **Versus** ``optax.adan`` (0.2.8): it has the same beta convention and bias corrections but
+    weights the difference term by ``1 - b2`` (0.08) where the paper and the official code use
+    ``b2`` (0.92), so trajectories agree on the first update and differ from the second (they
+    coincide at ``b2=0.5``); it adds ``eps_root=1e-8`` inside the square root (ours has none);
+    and its weight decay is ``p (1 - lr wd) - lr u`` (the official ``no_prox=True``) where ours
+    is the official default, the proximal ``(p - lr u) / (1 + lr wd)``. With ``b2=0.5``,
+    ``eps_root=0`` and ``weight_decay=0`` the two are equal. torch has no Adan; the official
+    code's ``max_grad_norm`` is left to ``clip_by_global_norm`` chained in front.
+
+    Args:
+      learning_rate: a float >= 0 or a schedule of the update count.
+      b1: decay of the gradient EMA (paper ``1 - beta1``), in [0, 1).
+      b2: decay of the gradient-difference EMA (paper ``1 - beta2``), in [0, 1).
+      b3: decay of the squared-term EMA (paper ``1 - beta3``), in [0, 1).
+      eps: added to the denominator outside the square root, >= 0.
+      weight_decay: proximal (decoupled) L2 strength, >= 0.
+      moment_dtype: dtype of the moments and the stored previous gradient (e.g.
+        ``jnp.float32`` for bf16 parameters); None keeps each parameter's dtype.
+
+    Returns:
+      An ``optax.GradientTransformation``: ``scale_by_adan``, the learning rate, the decay.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import rudax.optim as ro
+      >>> params = {"w": jnp.array([1.0, -2.0, 3.0])}
+      >>> tx = ro.adan(1e-1, weight_decay=0.02)
+      >>> state = tx.init(params)
+      >>> grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)  # about p - lr sign(g), shrunk
+      >>> [round(float(x), 4) for x in params["w"]]
+      [0.8982, -1.8962, 2.8942]
+
+    References:
+      Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
+      Models <https://arxiv.org/abs/2208.06677>`_, 2022 (Algorithm 1, with the official
+      code's bias corrections); https://github.com/sail-sg/Adan ``adan.py``.
+    """
+    check_learning_rate(learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+    learning_rate = _weak_float(learning_rate)
+    return optax.chain(
+        scale_by_adan(b1, b2, b3, eps, moment_dtype=moment_dtype),
+        optax.scale_by_learning_rate(learning_rate),
+        _proximal_weight_decay(learning_rate, _weak_float(weight_decay)),
+    )

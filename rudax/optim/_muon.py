@@ -1,0 +1,415 @@
+"""Muon: momentum orthogonalized by Newton-Schulz for 2-D weights, AdamW for every other leaf."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rudax.optim._validation import (
+    check_bool,
+    check_finite,
+    check_float_dtype,
+    check_in_range,
+    check_learning_rate,
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+)
+
+# Keller Jordan's quintic, as torch.optim.Muon: maximal slope at zero, so few steps suffice;
+# singular values land in a band around 1 rather than exactly on it, which does not hurt.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+_LAYOUTS = ("in_out", "out_in")
+
+
+def _newton_schulz(
+    update: jax.Array,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: Any,
+) -> jax.Array:
+    """Approximates U V^T of update = U S V^T by a quintic Newton-Schulz iteration, as torch.
+
+    Runs on the wide orientation (rows <= cols) so the Gram matrix is the smaller one. Each
+    matmul accumulates in fp32 and the fp32 sum is rounded to ``dtype`` once, as torch's
+    ``addmm`` does for its bf16 operands.
+    """
+    a, b, c = coefficients
+    tall = update.shape[0] > update.shape[1]
+    x = (update.T if tall else update).astype(dtype)
+    f32 = lambda y: y.astype(jnp.float32)
+    # Frobenius norm >= spectral norm, so every singular value starts in [0, 1].
+    norm = jnp.sqrt(jnp.sum(jnp.square(f32(x))))
+    x = (f32(x) / jnp.maximum(norm, eps)).astype(dtype)
+    # HIGHEST keeps fp32 matmuls out of TF32 on GPUs; it changes nothing for bf16 operands.
+    mm = lambda p, q: jnp.matmul(
+        p, q, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    for _ in range(steps):
+        gram = mm(x, x.T).astype(dtype)
+        poly = (b * f32(gram) + c * mm(gram, gram)).astype(dtype)
+        x = (a * f32(x) + mm(poly, x)).astype(dtype)
+    return x.T if tall else x
+
+
+def _lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None, layout: str) -> float:
+    rows, cols = shape
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    # torch's sqrt(max(1, A / B)) on its (out, in) weights: larger steps for layers that fan out.
+    fan_in, fan_out = (rows, cols) if layout == "in_out" else (cols, rows)
+    return math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def _check_matrix(path: Any, x: Any) -> None:
+    if jnp.ndim(x) != 2:
+        raise ValueError(
+            f"Muon orthogonalizes 2-D matrices; params{jax.tree_util.keystr(path)} has shape "
+            f"{jnp.shape(x)}. Send it to the AdamW fallback with muon_mask."
+        )
+
+
+class ScaleByMuonState(NamedTuple):
+    momentum: optax.Updates  # momentum buffer B_t, moment_dtype
+
+
+def scale_by_muon(
+    momentum: float = 0.95,
+    *,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    adjust_lr_fn: str | None = None,
+    matrix_layout: str = "in_out",
+    ns_dtype: Any = jnp.bfloat16,
+    moment_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """Muon's direction for a pytree of 2-D matrices: orthogonalized momentum (no lr, no decay).
+
+    Per matrix with ``fan_in`` inputs and ``fan_out`` outputs, as ``torch.optim.Muon``::
+
+        B_t = momentum B_{t-1} + (1 - momentum) g_t              (torch's buf.lerp_)
+        M_t = (1 - momentum) g_t + momentum B_t  if nesterov else B_t
+        O_t = NS(M_t) = quintic Newton-Schulz, ns_steps times, on M_t / max(||M_t||_F, eps)
+        u_t = r O_t,  r = sqrt(max(1, fan_out / fan_in))       ("original", torch's default)
+                      r = 0.2 sqrt(max(fan_in, fan_out))       ("match_rms_adamw", Moonshot)
+
+    torch's docstring writes ``B_t = mu B_{t-1} + g_t``; its code (followed here) keeps an EMA.
+    Newton-Schulz runs in ``ns_dtype``, bfloat16 by default as torch, on the transpose of a
+    tall matrix; its output is returned in the parameters' dtype (the gradients' without params).
+
+    **Layout.** torch computes ``r = sqrt(max(1, A / B))`` on a weight of shape ``(A, B)`` =
+    ``(out, in)``. A flax kernel is ``(in, out)``, so the default ``matrix_layout="in_out"``
+    reads ``fan_in, fan_out = A, B`` and gives the same ``r`` as torch for the same layer;
+    ``"out_in"`` applies torch's formula to the array as it is. Only ``"original"`` depends on it.
+
+    Args:
+      momentum: EMA decay of the momentum buffer, in [0, 1).
+      nesterov: use the Nesterov look-ahead ``M_t`` above.
+      ns_steps: Newton-Schulz iterations, 1 to 99 (torch's bound).
+      ns_coefficients: the quintic's ``(a, b, c)``: ``X <- a X + (b G + c G^2) X``, ``G = X X^T``.
+      eps: lower bound of the Frobenius norm that normalizes ``M_t``.
+      adjust_lr_fn: None or ``"original"`` (the same), or ``"match_rms_adamw"``.
+      matrix_layout: ``"in_out"`` (flax kernels, the default) or ``"out_in"`` (torch weights).
+      ns_dtype: floating dtype of the Newton-Schulz iteration; ``jnp.float32`` for exactness.
+      moment_dtype: dtype of the momentum buffer; None keeps each parameter's dtype.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a ``ScaleByMuonState``. Every leaf
+      must be 2-D: a ``ValueError`` names the first that is not.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import rudax.optim as ro
+      >>> g = jax.random.normal(jax.random.key(0), (32, 16))  # fan_out < fan_in: r = 1
+      >>> tx = ro.scale_by_muon(momentum=0.0, ns_dtype=jnp.float32)
+      >>> u, _ = tx.update(g, tx.init(g))
+      >>> bool(np.all((np.linalg.svd(u, compute_uv=False) > 0.6)))
+      True
+
+    References:
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024; Liu et al., `Muon is Scalable for
+      LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025; ``torch.optim.Muon``.
+    """
+    check_in_range("momentum", momentum, 0.0, 1.0)
+    check_bool("nesterov", nesterov)
+    check_positive_int("ns_steps", ns_steps)
+    if ns_steps >= 100:
+        raise ValueError(f"ns_steps must be < 100 (torch.optim.Muon's bound), got {ns_steps=}")
+    coefficients = _check_coefficients(ns_coefficients)
+    check_positive("eps", eps)
+    if adjust_lr_fn not in _ADJUST_LR_FNS:
+        raise ValueError(
+            f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn=}"
+        )
+    if matrix_layout not in _LAYOUTS:
+        raise ValueError(f"matrix_layout must be 'in_out' or 'out_in', got {matrix_layout=}")
+    check_float_dtype("ns_dtype", ns_dtype)
+    if ns_dtype is None:
+        raise TypeError(f"ns_dtype must be a floating dtype, got {ns_dtype=}")
+    check_float_dtype("moment_dtype", moment_dtype)
+    momentum, eps = _weak_float(momentum), _weak_float(eps)
+
+    def init_fn(params: optax.Params) -> ScaleByMuonState:
+        jax.tree_util.tree_map_with_path(_check_matrix, params)
+        return ScaleByMuonState(
+            momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, moment_dtype or p.dtype), params)
+        )
+
+    def update_fn(updates, state, params=None):
+        jax.tree_util.tree_map_with_path(_check_matrix, updates)
+        # Updates take the parameters' dtype, so the decay and apply_updates need no implicit
+        # promotion when fp32 gradients (unscaled, accumulated) meet bf16 parameters.
+        like = updates if params is None else params
+
+        def leaf(g_in, p, buf):
+            dtype = _wider(g_in.dtype, buf.dtype)
+            g = g_in.astype(dtype)
+            buf_new = momentum * buf.astype(dtype) + (1.0 - momentum) * g
+            m = (1.0 - momentum) * g + momentum * buf_new if nesterov else buf_new
+            o = _newton_schulz(m, coefficients, ns_steps, eps, ns_dtype).astype(p.dtype)
+            ratio = _lr_ratio(g_in.shape, adjust_lr_fn, matrix_layout)
+            return ratio * o, buf_new.astype(buf.dtype)
+
+        treedef = jax.tree.structure(updates)
+        out = treedef.flatten_up_to(jax.tree.map(leaf, updates, like, state.momentum))
+        u, buf = (treedef.unflatten([o[i] for o in out]) for i in range(2))
+        return u, ScaleByMuonState(momentum=buf)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_coefficients(value: Any) -> tuple[float, float, float]:
+    if not isinstance(value, Sequence) or len(value) != 3:
+        raise TypeError(f"ns_coefficients must be three numbers (a, b, c), got {value=}")
+    for i, x in enumerate(value):
+        check_finite(f"ns_coefficients[{i}]", x)
+    return tuple(float(x) for x in value)
+
+
+class ScaleByAdamState(NamedTuple):
+    count: jax.Array  # shape=(), int32: updates applied so far
+    mu: optax.Updates  # EMA of gradients, moment_dtype
+    nu: optax.Updates  # EMA of squared gradients, moment_dtype
+
+
+def _scale_by_adam(b1: float, b2: float, eps: float, moment_dtype: Any):
+    """torch's Adam direction m_t / c1 / (sqrt(v_t) / sqrt(c2) + eps), moments in moment_dtype.
+
+    optax.scale_by_adam has the same rule but keeps nu in the parameter dtype and mixes dtypes
+    in ways strict promotion rejects; this one computes in the wider of gradient and moment.
+    """
+
+    def init_fn(params):
+        zeros = lambda p: jnp.zeros(p.shape, moment_dtype or p.dtype)
+        return ScaleByAdamState(
+            jnp.zeros([], jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params)
+        )
+
+    def update_fn(updates, state, params=None):
+        like = updates if params is None else params
+        count = optax.safe_increment(state.count)
+        t = count.astype(jnp.float32)
+        c1, c2 = 1.0 - b1**t, 1.0 - b2**t
+
+        def leaf(g_in, p, mu, nu):
+            dtype = _wider(g_in.dtype, mu.dtype)
+            g = g_in.astype(dtype)
+            mu_new = b1 * mu.astype(dtype) + (1.0 - b1) * g
+            nu_new = b2 * nu.astype(dtype) + (1.0 - b2) * (g * g)
+            denom = jnp.sqrt(nu_new) / jnp.sqrt(c2).astype(dtype) + eps
+            u = mu_new / c1.astype(dtype) / denom
+            return u.astype(p.dtype), mu_new.astype(mu.dtype), nu_new.astype(nu.dtype)
+
+        treedef = jax.tree.structure(updates)
+        out = treedef.flatten_up_to(jax.tree.map(leaf, updates, like, state.mu, state.nu))
+        u, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
+        return u, ScaleByAdamState(count, mu, nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+MaskSpec = Any | Callable[[optax.Params], Any] | None
+
+
+def _muon_labels(muon_mask: MaskSpec) -> Callable[[optax.Params], Any]:
+    """Turns muon_mask into optax.partition's labels ("muon" or "adamw", one per leaf).
+
+    The mask is matched to the parameters by path, not by tree type, so a plain dict mask
+    works for ``nnx.State`` parameters; a mismatch names the first path that differs.
+    """
+
+    def labels(params):
+        if muon_mask is None:
+            mask = jax.tree.map(lambda p: jnp.ndim(p) == 2, params)
+        else:
+            mask = muon_mask(params) if callable(muon_mask) else muon_mask
+        keystr = jax.tree_util.keystr
+        by_path = {keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+        param_paths = {keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        extra = sorted(by_path.keys() - param_paths)
+        if extra:
+            raise ValueError(f"muon_mask{extra[0]} has no matching leaf in params")
+
+        def label(path, p):
+            key = keystr(path)
+            if key not in by_path:
+                raise ValueError(f"muon_mask has no entry for params{key}; it must match params")
+            selected = by_path[key]
+            if not isinstance(selected, bool | np.bool_):
+                raise TypeError(f"muon_mask{key} must be a bool, got {selected!r}")
+            if selected:
+                _check_matrix(path, p)
+            return "muon" if selected else "adamw"
+
+        return jax.tree_util.tree_map_with_path(label, params)
+
+    return labels
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    *,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    adjust_lr_fn: str | None = None,
+    matrix_layout: str = "in_out",
+    muon_mask: MaskSpec = None,
+    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+    adamw_b1: float = 0.9,
+    adamw_b2: float = 0.999,
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: float | None = None,
+    ns_dtype: Any = jnp.bfloat16,
+    moment_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """Muon on 2-D weight matrices (as ``torch.optim.Muon``), torch-style AdamW on the rest.
+
+    A leaf selected by ``muon_mask`` (default: every 2-D leaf) with direction ``u_t`` from
+    :func:`scale_by_muon` (orthogonalized momentum times the shape's lr ratio) is updated as::
+
+        p_t = p_{t-1} (1 - lr_t weight_decay) - lr_t u_t
+
+    Every other leaf (biases, norms, scalars, >2-D kernels, and any 2-D leaf the mask
+    excludes, such as embeddings or the output head) follows ``torch.optim.AdamW``::
+
+        p_t = p_{t-1} (1 - lr'_t wd') - lr'_t (m_t / c1) / (sqrt(v_t / c2) + adamw_eps)
+
+    with ``m, v`` EMAs of ``g`` and ``g^2`` (decays ``adamw_b1, adamw_b2``) and
+    ``c_i = 1 - b_i**t``. torch's Muon only accepts 2-D parameters and leaves the rest to a
+    second optimizer; here one transformation holds both (``optax.partition``). optax has no
+    Muon with this rule (``optax.contrib.muon`` differs in its momentum, scaling and decay).
+
+    Args:
+      learning_rate: Muon's learning rate, a float >= 0 or a schedule of the update count.
+      weight_decay: Muon's decoupled weight decay, >= 0 (torch's default 0.1).
+      momentum: EMA decay of the momentum buffer, in [0, 1).
+      nesterov: use Nesterov momentum.
+      ns_steps: Newton-Schulz iterations, 1 to 99.
+      ns_coefficients: the quintic's ``(a, b, c)``, torch's defaults.
+      eps: lower bound of the norm that normalizes the momentum before Newton-Schulz.
+      adjust_lr_fn: None or ``"original"`` (``sqrt(max(1, fan_out / fan_in))``, torch's
+        default) or ``"match_rms_adamw"`` (``0.2 sqrt(max(fan_in, fan_out))``, which lets Muon
+        reuse AdamW's lr and decay).
+      matrix_layout: ``"in_out"`` (flax kernels, the default) or ``"out_in"`` (torch
+        weights): which axis is fan_in for ``"original"``; see :func:`scale_by_muon`.
+      muon_mask: which leaves Muon takes: None (every 2-D leaf), a pytree of bools with the
+        params' paths, or a callable of the params (of the updates, in ``update``) returning
+        one. A selected leaf must be 2-D.
+      adamw_learning_rate: the fallback's learning rate; None reuses ``learning_rate``.
+      adamw_b1: the fallback's first-moment decay, in [0, 1).
+      adamw_b2: the fallback's second-moment decay, in [0, 1).
+      adamw_eps: the fallback's eps, outside the square root, >= 0.
+      adamw_weight_decay: the fallback's decoupled weight decay; None reuses ``weight_decay``.
+      ns_dtype: dtype of the Newton-Schulz iteration: bfloat16 as torch, or ``jnp.float32``.
+      moment_dtype: dtype of every moment (Muon's buffer, AdamW's m and v); None keeps each
+        parameter's dtype, ``jnp.float32`` keeps fp32 moments for bf16 parameters.
+
+    Returns:
+      An ``optax.GradientTransformation`` (an ``optax.partition`` of the two chains). Its
+      ``update`` needs ``params``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import rudax.optim as ro
+      >>> params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+      >>> x = jnp.arange(8.0).reshape(2, 4)
+      >>> loss = lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2)
+      >>> tx = ro.muon(0.02, adamw_learning_rate=3e-4)  # "w" to Muon, "b" to AdamW
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(jax.grad(loss)(params), state, params)
+      >>> bool(loss(optax.apply_updates(params, updates)) < loss(params))
+      True
+
+    References:
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024; Liu et al., `Muon is Scalable for
+      LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025; ``torch.optim.Muon``,
+      ``torch.optim.AdamW``; Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019.
+    """
+    check_learning_rate(learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+    if adamw_learning_rate is not None:
+        check_learning_rate(adamw_learning_rate, "adamw_learning_rate")
+    check_in_range("adamw_b1", adamw_b1, 0.0, 1.0)
+    check_in_range("adamw_b2", adamw_b2, 0.0, 1.0)
+    check_non_negative("adamw_eps", adamw_eps)
+    if adamw_weight_decay is not None:
+        check_non_negative("adamw_weight_decay", adamw_weight_decay)
+    learning_rate = _weak_float(learning_rate)
+    adamw_learning_rate = (
+        learning_rate if adamw_learning_rate is None else _weak_float(adamw_learning_rate)
+    )
+    adamw_weight_decay = weight_decay if adamw_weight_decay is None else adamw_weight_decay
+
+    muon_chain = optax.chain(
+        scale_by_muon(
+            momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            adjust_lr_fn=adjust_lr_fn,
+            matrix_layout=matrix_layout,
+            ns_dtype=ns_dtype,
+            moment_dtype=moment_dtype,
+        ),
+        optax.add_decayed_weights(_weak_float(weight_decay)),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    adamw_chain = optax.chain(
+        _scale_by_adam(*map(_weak_float, (adamw_b1, adamw_b2, adamw_eps)), moment_dtype),
+        optax.add_decayed_weights(_weak_float(adamw_weight_decay)),
+        optax.scale_by_learning_rate(adamw_learning_rate),
+    )
+    return optax.partition({"muon": muon_chain, "adamw": adamw_chain}, _muon_labels(muon_mask))
+
+
+def _wider(a: Any, b: Any) -> Any:
+    """The compute dtype of a gradient and a moment, asked under standard promotion on purpose:
+    strict mode (rightly) refuses to guess it, but here the wider dtype is the stated rule."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(a, b)
+
+
+def _weak_float(value: Any) -> Any:
+    """A concrete number as a Python float: a numpy or jax float32 scalar is strongly typed and
+    would fail strict promotion against bf16 updates, a Python float adopts their dtype."""
+    if callable(value) or isinstance(value, jax.core.Tracer):
+        return value
+    return float(value)
