@@ -20,6 +20,10 @@ from rudax.optim._muon import muon as muon
 from rudax.optim._muon import scale_by_muon as scale_by_muon
 
 # [block: lbfgs: _lbfgs]
+from rudax.optim._lbfgs import ScaleByLBFGSState as ScaleByLBFGSState
+from rudax.optim._lbfgs import lbfgs as lbfgs
+from rudax.optim._lbfgs import scale_by_lbfgs as scale_by_lbfgs
+from rudax.optim._linesearch import scale_by_strong_wolfe as scale_by_strong_wolfe
 
 # [block: schedules, clipping, accumulation: _schedules, _clipping, _accumulation]
 
