@@ -26,6 +26,21 @@ from rudax.optim._lbfgs import scale_by_lbfgs as scale_by_lbfgs
 from rudax.optim._linesearch import scale_by_strong_wolfe as scale_by_strong_wolfe
 
 # [block: schedules, clipping, accumulation: _schedules, _clipping, _accumulation]
+from rudax.optim._accumulation import GradientAccumulator as GradientAccumulator
+from rudax.optim._clipping import ClipByGlobalNormState as ClipByGlobalNormState
+from rudax.optim._clipping import clip_by_global_norm as clip_by_global_norm
+from rudax.optim._clipping import clip_per_parameter as clip_per_parameter
+from rudax.optim._schedules import constant_schedule as constant_schedule
+from rudax.optim._schedules import cosine_decay_schedule as cosine_decay_schedule
+from rudax.optim._schedules import cosine_onecycle_schedule as cosine_onecycle_schedule
+from rudax.optim._schedules import exponential_decay as exponential_decay
+from rudax.optim._schedules import join_schedules as join_schedules
+from rudax.optim._schedules import linear_schedule as linear_schedule
+from rudax.optim._schedules import piecewise_constant_schedule as piecewise_constant_schedule
+from rudax.optim._schedules import polynomial_schedule as polynomial_schedule
+from rudax.optim._schedules import step_schedule as step_schedule
+from rudax.optim._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
+from rudax.optim._schedules import warmup_cosine_schedule as warmup_cosine_schedule
 
 # [block: master weights and loss scaling: _master, _loss_scale]
 

@@ -1,0 +1,161 @@
+"""Gradient clipping by L2 norm, with torch's ``clip_grad_norm_`` rule.
+
+Both transforms scale gradients by ``min(max_norm / (norm + 1e-6), 1)``, the coefficient of
+``torch.nn.utils.clip_grad_norm_``. optax's ``clip_by_global_norm`` instead scales by
+``max_norm / norm`` only when ``norm >= max_norm``: the two agree below the threshold and differ
+by the 1e-6 above it (torch's clipped norm lands just under ``max_norm``). rudax follows torch
+so that ported training runs clip identically.
+
+Norms are computed in fp32 whatever the gradients' dtype: a bf16 sum of squares drops the
+small leaves' contributions, and an fp16 one overflows once the norm passes 256. Each gradient
+is scaled in fp32 (at least) and rounded once back to its own dtype. A non-finite norm is not
+repaired: NaN propagates into every output, and an infinite norm gives a zero coefficient (so
+NaN wherever a gradient was infinite), as in torch. Pair clipping with
+``rudax.optim.skip_nonfinite`` or ``dynamic_loss_scale`` to skip such steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rudax.optim._validation import check_positive
+
+# torch adds this to the norm before dividing, so a zero gradient never divides by zero.
+_NORM_EPS = 1e-6
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """State of ``clip_by_global_norm``: the norm seen by the last update, for logging."""
+
+    global_norm: jax.Array  # shape=(), float32: the pre-clip global L2 norm of the last update
+
+
+def _check_floating(updates: Any, who: str) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(
+                f"{who}: gradient {jax.tree_util.keystr(path)} must have a floating dtype, "
+                f"got dtype={jnp.result_type(leaf)}"
+            )
+
+
+def _sum_of_squares(g: jax.Array) -> jax.Array:
+    g = jnp.asarray(g).astype(jnp.float32)
+    return jnp.sum(g * g)
+
+
+def _coefficient(norm: jax.Array, max_norm: Any) -> jax.Array:
+    """torch's clip coefficient; min() lets a NaN norm through rather than hiding it."""
+    return jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (norm + _NORM_EPS), 1.0)
+
+
+def _scale(g: jax.Array, coefficient: jax.Array) -> jax.Array:
+    g = jnp.asarray(g)
+    # At least fp32; not jnp.promote_types, which refuses bf16 + fp32 under strict promotion.
+    compute_dtype = g.dtype if jnp.finfo(g.dtype).bits >= 32 else jnp.float32
+    return (g.astype(compute_dtype) * coefficient.astype(compute_dtype)).astype(g.dtype)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Scales all gradients together so that their global L2 norm is at most ``max_norm``.
+
+    With the global norm taken over every leaf as if concatenated into one vector::
+
+        norm = sqrt(sum_leaves sum(g ** 2))                  (in fp32)
+        g <- g * min(max_norm / (norm + 1e-6), 1)
+
+    This is ``torch.nn.utils.clip_grad_norm_``. optax's ``clip_by_global_norm`` uses
+    ``g * max_norm / norm`` when ``norm >= max_norm`` (no 1e-6) and leaves ``g`` as is
+    otherwise. The state keeps the pre-clip norm of the last update, the value torch's
+    function returns, for logging. A non-finite norm propagates (see the module docstring).
+
+    Args:
+      max_norm: the largest global norm let through; finite and > 0.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a ``ClipByGlobalNormState``. Outputs
+      keep each gradient's dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import rudax.optim as ro
+      >>> tx = ro.clip_by_global_norm(1.0)
+      >>> grads = {"w": jnp.array([3.0, 4.0])}
+      >>> clipped, state = tx.update(grads, tx.init(grads))
+      >>> float(state.global_norm), [round(float(x), 4) for x in clipped["w"]]
+      (5.0, [0.6, 0.8])
+
+    References:
+      Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+      <https://arxiv.org/abs/1211.5063>`_, 2013; PyTorch, ``torch.nn.utils.clip_grad_norm_``.
+    """
+    check_positive("max_norm", max_norm)
+
+    def init_fn(params: Any) -> ClipByGlobalNormState:
+        del params
+        return ClipByGlobalNormState(global_norm=jnp.zeros((), jnp.float32))
+
+    def update_fn(
+        updates: Any, state: ClipByGlobalNormState, params: Any = None
+    ) -> tuple[Any, ClipByGlobalNormState]:
+        del params, state
+        _check_floating(updates, "clip_by_global_norm")
+        squares = [_sum_of_squares(g) for g in jax.tree.leaves(updates)]
+        norm = jnp.sqrt(sum(squares, start=jnp.zeros((), jnp.float32)))
+        coefficient = _coefficient(norm, max_norm)
+        updates = jax.tree.map(lambda g: _scale(g, coefficient), updates)
+        return updates, ClipByGlobalNormState(global_norm=norm)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
+    """Scales each gradient leaf on its own so that its L2 norm is at most ``max_norm``.
+
+    For every leaf ``g`` separately::
+
+        norm_g = sqrt(sum(g ** 2))                           (in fp32)
+        g <- g * min(max_norm / (norm_g + 1e-6), 1)
+
+    This is ``torch.nn.utils.clip_grad_norm_`` called on each parameter alone; optax's nearest
+    is ``clip_by_block_rms``, which bounds the RMS rather than the norm. A non-finite norm
+    propagates into its own leaf only.
+
+    Args:
+      max_norm: the largest L2 norm let through for any one leaf; finite and > 0.
+
+    Returns:
+      An ``optax.GradientTransformation`` with an empty state. Outputs keep each gradient's
+      dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import rudax.optim as ro
+      >>> tx = ro.clip_per_parameter(1.0)
+      >>> grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.5])}
+      >>> clipped, _ = tx.update(grads, tx.init(grads))
+      >>> [round(float(x), 4) for x in clipped["a"]], float(clipped["b"][0])
+      ([0.6, 0.8], 0.5)
+
+    References:
+      PyTorch, ``torch.nn.utils.clip_grad_norm_``.
+    """
+    check_positive("max_norm", max_norm)
+
+    def update_fn(
+        updates: Any, state: optax.EmptyState, params: Any = None
+    ) -> tuple[Any, optax.EmptyState]:
+        del params
+        _check_floating(updates, "clip_per_parameter")
+
+        def clip_leaf(g: jax.Array) -> jax.Array:
+            norm = jnp.sqrt(_sum_of_squares(g))
+            return _scale(g, _coefficient(norm, max_norm))
+
+        return jax.tree.map(clip_leaf, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
