@@ -43,5 +43,12 @@ from rudax.optim._schedules import warmup_cosine_decay_schedule as warmup_cosine
 from rudax.optim._schedules import warmup_cosine_schedule as warmup_cosine_schedule
 
 # [block: master weights and loss scaling: _master, _loss_scale]
+from rudax.optim._loss_scale import DynamicLossScaleState as DynamicLossScaleState
+from rudax.optim._loss_scale import dynamic_loss_scale as dynamic_loss_scale
+from rudax.optim._loss_scale import loss_scale as loss_scale
+from rudax.optim._master import Fp32MasterState as Fp32MasterState
+from rudax.optim._master import fp32_master as fp32_master
+from rudax.optim._nonfinite import SkipNonfiniteState as SkipNonfiniteState
+from rudax.optim._nonfinite import skip_nonfinite as skip_nonfinite
 
 __all__: list[str] = []  # filled in once every block above is in place

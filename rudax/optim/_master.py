@@ -1,0 +1,206 @@
+"""FP32 master weights: run any optimizer in fp32 for parameters stored in bf16, fp16 or fp32.
+
+The wrapper keeps an fp32 copy of every parameter (the master) and hands the inner optimizer
+fp32 gradients, fp32 parameters and therefore fp32 state. The updates it returns are in each
+parameter's storage dtype and are built so that ``optax.apply_updates(params, updates)`` stores
+exactly ``master.astype(param.dtype)``, bit for bit.
+
+Why that takes care: ``apply_updates`` computes ``round(p + u)`` in ``p``'s dtype. With
+``t = round(master)`` the target, ``u = round(t - p)`` is exact (so ``p + u == t``) whenever the
+difference fits in the storage dtype, which Sterbenz's lemma guarantees for every step that
+keeps an element's sign and changes it by less than a factor of two: all small steps, the ones
+master weights exist for. A step that flips an element's sign or changes its magnitude by more
+than a factor of two can need more bits than bf16's 8 (say ``p = -1``, ``t = 1.0078125``: no
+bf16 ``u`` gives ``p + u == t``); no update in the storage dtype can hit ``t`` then. In random
+bf16 trials that happened for about half of the sign flips and of the shrinks below half, and
+for 0.03% of the growths beyond 2x. For those elements the
+master is set to the value ``apply_updates`` will store, ``round(p + u)``: that one step is
+rounded to storage precision (an error below one storage ulp of the step), and the stored
+parameters equal the rounded master on every step.
+
+Every rounding to the storage dtype goes through ``_round_to``, built from
+``lax.reduce_precision``, instead of a float32 -> bf16 -> float32 cast pair: XLA's GPU backend
+may delete such a pair (openxla/xla#41605, "excess precision"), which would let the value the
+caller adds differ from the one checked here. ``reduce_precision`` exists so that it cannot be.
+XLA on CPU flushes float32 subnormals (bf16 values below 2**-126) to zero; the invariant held
+in that range in our tests too, but arithmetic there is not IEEE, so it is not guaranteed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from rudax.optim._nonfinite import check_transformation
+from rudax.optim._validation import check_positive
+
+_STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# torch's clip_grad_norm_ adds this to the norm, so a zero gradient never divides by zero.
+_CLIP_NORM_EPS = 1e-6
+
+
+class Fp32MasterState(NamedTuple):
+    """State of ``fp32_master``."""
+
+    master: Any  # like params, every leaf float32: the parameters at full precision
+    inner_state: Any  # the inner optimizer's state, built on and updated with the masters
+
+
+def _check_storage_dtypes(params: Any) -> None:
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(p)
+        if dtype not in _STORAGE_DTYPES:
+            raise TypeError(
+                f"fp32_master: parameter {jax.tree_util.keystr(path)} has dtype={dtype}; "
+                "supported storage dtypes are bfloat16, float16 and float32. Leave other "
+                "leaves (integer buffers, keys) out of the optimized tree, e.g. with "
+                "nnx.state(model, nnx.Param) or optax.masked."
+            )
+
+
+def _round_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """Rounds float32 ``x`` to the nearest ``dtype`` value, kept as float32 (ties to even)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return x
+    info = jnp.finfo(dtype)
+    rounded = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if info.minexp > jnp.finfo(jnp.float32).minexp:
+        # reduce_precision flushes the target's subnormals to zero; fp16's subnormals are
+        # float32 normals on a fixed grid, so round them there (the scaling is exact).
+        ulp = 2.0 ** (info.minexp - info.nmant)
+        subnormal = jnp.round(x * (1.0 / ulp)) * ulp
+        rounded = jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, rounded)
+    return rounded
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _storage_update(
+    master: jax.Array, param: jax.Array, update: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (update in param's dtype, new master) for one leaf; see the module docstring."""
+    m = master + update.astype(jnp.float32)
+    p = param.astype(jnp.float32)
+    t = _round_to(m, param.dtype)
+    # -(p - t) is t - p, except -0.0 rather than +0.0 when t == p: -0.0 is IEEE's exact
+    # additive identity, so an unchanged parameter keeps its bits (-0.0 + 0.0 is +0.0).
+    u = _round_to(-(p - t), param.dtype)
+    # What apply_updates will store: round(p + u) in param's dtype. Rounding the float32 sum
+    # again gives the correctly rounded bf16 or fp16 sum: float32's 24 bits are >= 2 * 11 + 2.
+    stored = _round_to(p + u, param.dtype)
+    hits_target = _bits(stored) == _bits(t)
+    return u.astype(param.dtype), jnp.where(hits_target, m, stored)
+
+
+def _clip_leaf(g: jax.Array, max_norm: float) -> jax.Array:
+    """torch's clip_grad_norm_ on one leaf (as ``rudax.optim.clip_per_parameter``), in fp32."""
+    norm = jnp.sqrt(jnp.sum(g * g))
+    return g * jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (norm + _CLIP_NORM_EPS), 1.0)
+
+
+def fp32_master(
+    inner: optax.GradientTransformation,
+    *,
+    gradient_scale: float | jax.Array | None = None,
+    clip_per_parameter: float | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Keeps fp32 master weights and runs ``inner`` on them for bf16, fp16 or fp32 parameters.
+
+    With ``p`` the stored parameter and ``w`` its fp32 master (``w = float32(p)`` at init)::
+
+        g = float32(grad) / gradient_scale                   (if gradient_scale is given)
+        g = g * min(clip_per_parameter / (norm(g) + 1e-6), 1)   (per leaf, if given)
+        d, inner_state = inner.update(g, inner_state, w)     (all in fp32)
+        w = w + d
+        u = round_to_dtype(round_to_dtype(w) - p)            (in p's dtype; -0.0 if no change)
+
+    so that ``optax.apply_updates(p, u) == w.astype(p.dtype)`` bit for bit. In the rare step
+    where an element's change is not representable in its storage dtype (a sign flip or a
+    change by more than 2x; see ``rudax/optim/_master.py``), that element's master is rounded
+    to the stored value. torch has no such wrapper (its AMP keeps fp32 parameters and casts
+    per op); this is the master-weights scheme of Micikevicius et al.
+
+    Args:
+      inner: the optimizer to run in fp32, e.g. ``rudax.optim.adamw(1e-3)``. It sees fp32
+        gradients and the fp32 masters as ``params``, so all its state is fp32.
+      gradient_scale: divides the fp32 gradients before clipping, e.g. a static loss scale.
+        A Python or concrete number must be finite and > 0 (ValueError otherwise). A traced
+        value (the wrapper built inside ``jit``) cannot be checked: zero or a non-finite scale
+        then gives non-finite gradients; wrap with ``skip_nonfinite`` to skip those steps.
+      clip_per_parameter: if given, each fp32 gradient leaf is clipped to this L2 norm with
+        torch's ``clip_grad_norm_`` rule, as ``rudax.optim.clip_per_parameter``; > 0.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is an ``Fp32MasterState``;
+      ``update`` requires ``params`` and returns updates in each parameter's dtype. Extra
+      keyword arguments are passed on to ``inner``. Every parameter leaf must be bf16, fp16
+      or fp32; any other dtype (integer buffers, keys) is a TypeError naming its path.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import rudax.optim as ro
+      >>> params = {"w": jnp.ones((2,), jnp.bfloat16)}
+      >>> tx = ro.fp32_master(optax.sgd(1e-4))
+      >>> state = tx.init(params)
+      >>> for _ in range(100):  # each step is below bf16's resolution at 1.0
+      ...     updates, state = tx.update({"w": jnp.ones((2,), jnp.bfloat16)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> round(float(state.master["w"][0]), 4), float(params["w"][0])
+      (0.99, 0.98828125)
+
+    References:
+      Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+      2018.
+    """
+    check_transformation("inner", inner)
+    if gradient_scale is not None:
+        check_positive("gradient_scale", gradient_scale)
+    if clip_per_parameter is not None:
+        check_positive("clip_per_parameter", clip_per_parameter)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> Fp32MasterState:
+        _check_storage_dtypes(params)
+        # A copy even for fp32 leaves: a master aliasing its parameter would make donating
+        # (params, opt_state) to a jitted step donate one buffer twice.
+        master = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params)
+        return Fp32MasterState(master=master, inner_state=inner.init(master))
+
+    def update_fn(
+        updates: Any, state: Fp32MasterState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Fp32MasterState]:
+        if params is None:
+            raise ValueError("fp32_master: update needs params (the stored parameters)")
+        _check_storage_dtypes(params)
+        grads = jax.tree.map(lambda g: jnp.asarray(g).astype(jnp.float32), updates)
+        if gradient_scale is not None:
+            scale = jnp.asarray(gradient_scale).astype(jnp.float32)
+            grads = jax.tree.map(lambda g: g / scale, grads)
+        if clip_per_parameter is not None:
+            grads = jax.tree.map(lambda g: _clip_leaf(g, clip_per_parameter), grads)
+        inner_updates, inner_state = inner.update(
+            grads, state.inner_state, state.master, **extra_args
+        )
+        param_leaves, treedef = jax.tree.flatten(params)
+        pairs = [
+            _storage_update(w, jnp.asarray(p), d)
+            for w, p, d in zip(
+                treedef.flatten_up_to(state.master),
+                param_leaves,
+                treedef.flatten_up_to(inner_updates),
+                strict=True,
+            )
+        ]
+        new_updates = treedef.unflatten([u for u, _ in pairs])
+        master = treedef.unflatten([w for _, w in pairs])
+        return new_updates, Fp32MasterState(master=master, inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
