@@ -183,9 +183,16 @@ def scale_by_torch_adam(
             jax.tree.map(jnp.maximum, state.max_exp_avg_sq, exp_avg_sq) if amsgrad else None
         )
 
+        # The bias corrections are scalars: multiplying by their reciprocals (one scalar
+        # division each) leaves one division per element instead of three. The step is
+        # memory- and divide-bound on CPU, and the result is within an ulp of torch's
+        # `m / bc1 / (sqrt(v) / sqrt(bc2) + eps)`.
+        inv_bc1 = 1.0 / bias_correction1
+        inv_bc2_sqrt = 1.0 / bias_correction2_sqrt
+
         def direction(m: jax.Array, v: jax.Array) -> jax.Array:
-            denom = jnp.sqrt(v) / bias_correction2_sqrt.astype(v.dtype) + eps
-            return (m / bias_correction1.astype(m.dtype)) / denom
+            denom = jnp.sqrt(v) * inv_bc2_sqrt.astype(v.dtype) + eps
+            return (m * inv_bc1.astype(m.dtype)) / denom
 
         second = max_exp_avg_sq if amsgrad else exp_avg_sq
         new_updates = jax.tree.map(direction, exp_avg, second)
