@@ -88,15 +88,19 @@ def main() -> None:
     def med(xs):
         return sorted(xs)[len(xs) // 2]
 
-    print(f"\n{n:,} fp32 parameters, {args.rounds} alternating rounds x {args.iters} steps, "
-          f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices)")
+    print(
+        f"\n{n:,} fp32 parameters, {args.rounds} alternating rounds x {args.iters} steps, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices)"
+    )
     print(f"{'arm':<24} {'ms/step':>9} {'GB/s':>7}")
     for name, ts in times.items():
         per = COPY_BYTES_PER_ELEM if name.startswith("copy") else ADAMW_BYTES_PER_PARAM
         print(f"{name:<24} {med(ts) * 1e3:>9.2f} {per * n / med(ts) / 1e9:>7.1f}")
     r, lo, hi = ratio_summary(times["optax.adamw"], times["rudax.optim.adamw"])
-    print(f"\nspeed rudax / optax (per-round time ratio optax/rudax): "
-          f"median {r:.3f}x, range [{lo:.3f}, {hi:.3f}]")
+    print(
+        f"\nspeed rudax / optax (per-round time ratio optax/rudax): "
+        f"median {r:.3f}x, range [{lo:.3f}, {hi:.3f}]"
+    )
     cb = [COPY_BYTES_PER_ELEM * n / t for t in times["copy (x + 1, in place)"]]
     for name in ("rudax.optim.adamw", "optax.adamw"):
         bw = [ADAMW_BYTES_PER_PARAM * n / t for t in times[name]]

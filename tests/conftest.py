@@ -31,4 +31,3 @@ def _dtype_promotion(request):
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
-

@@ -1,3 +1,3 @@
-"""rudax.checkpoint: not yet built; its public names arrive with their issue (see README's roadmap)."""
+"""rudax.checkpoint: not yet built; its public names arrive with their issue (README's roadmap)."""
 
 __all__: list[str] = []

@@ -4,32 +4,31 @@ Every optimizer here is an ``optax.GradientTransformation`` whose update rule an
 follow PyTorch's ``torch.optim``; it composes with ``optax.chain`` and every optax transform.
 """
 
-# Each block re-exports one area's public names, one per line (``from ._x import a as a``).
-
-# [block: torch-style optimizers: _sgd, _adam, _adagrad, _rmsprop]
+# Public names, re-exported one per line (``from rudax.optim._x import a as a``), sorted as
+# isort sorts them, and listed again in __all__.
+from rudax.optim._accumulation import GradientAccumulator as GradientAccumulator
 from rudax.optim._adagrad import adagrad as adagrad
 from rudax.optim._adam import adam as adam
 from rudax.optim._adam import adamw as adamw
-from rudax.optim._rmsprop import rmsprop as rmsprop
-from rudax.optim._sgd import sgd as sgd
-
-# [block: adan and muon: _adan, _muon]
 from rudax.optim._adan import adan as adan
 from rudax.optim._adan import scale_by_adan as scale_by_adan
-from rudax.optim._muon import muon as muon
-from rudax.optim._muon import scale_by_muon as scale_by_muon
-
-# [block: lbfgs: _lbfgs]
+from rudax.optim._clipping import ClipByGlobalNormState as ClipByGlobalNormState
+from rudax.optim._clipping import clip_by_global_norm as clip_by_global_norm
+from rudax.optim._clipping import clip_per_parameter as clip_per_parameter
 from rudax.optim._lbfgs import ScaleByLBFGSState as ScaleByLBFGSState
 from rudax.optim._lbfgs import lbfgs as lbfgs
 from rudax.optim._lbfgs import scale_by_lbfgs as scale_by_lbfgs
 from rudax.optim._linesearch import scale_by_strong_wolfe as scale_by_strong_wolfe
-
-# [block: schedules, clipping, accumulation: _schedules, _clipping, _accumulation]
-from rudax.optim._accumulation import GradientAccumulator as GradientAccumulator
-from rudax.optim._clipping import ClipByGlobalNormState as ClipByGlobalNormState
-from rudax.optim._clipping import clip_by_global_norm as clip_by_global_norm
-from rudax.optim._clipping import clip_per_parameter as clip_per_parameter
+from rudax.optim._loss_scale import DynamicLossScaleState as DynamicLossScaleState
+from rudax.optim._loss_scale import dynamic_loss_scale as dynamic_loss_scale
+from rudax.optim._loss_scale import loss_scale as loss_scale
+from rudax.optim._master import Fp32MasterState as Fp32MasterState
+from rudax.optim._master import fp32_master as fp32_master
+from rudax.optim._muon import muon as muon
+from rudax.optim._muon import scale_by_muon as scale_by_muon
+from rudax.optim._nonfinite import SkipNonfiniteState as SkipNonfiniteState
+from rudax.optim._nonfinite import skip_nonfinite as skip_nonfinite
+from rudax.optim._rmsprop import rmsprop as rmsprop
 from rudax.optim._schedules import constant_schedule as constant_schedule
 from rudax.optim._schedules import cosine_decay_schedule as cosine_decay_schedule
 from rudax.optim._schedules import cosine_onecycle_schedule as cosine_onecycle_schedule
@@ -41,33 +40,27 @@ from rudax.optim._schedules import polynomial_schedule as polynomial_schedule
 from rudax.optim._schedules import step_schedule as step_schedule
 from rudax.optim._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 from rudax.optim._schedules import warmup_cosine_schedule as warmup_cosine_schedule
-
-# [block: master weights and loss scaling: _master, _loss_scale]
-from rudax.optim._loss_scale import DynamicLossScaleState as DynamicLossScaleState
-from rudax.optim._loss_scale import dynamic_loss_scale as dynamic_loss_scale
-from rudax.optim._loss_scale import loss_scale as loss_scale
-from rudax.optim._master import Fp32MasterState as Fp32MasterState
-from rudax.optim._master import fp32_master as fp32_master
-from rudax.optim._nonfinite import SkipNonfiniteState as SkipNonfiniteState
-from rudax.optim._nonfinite import skip_nonfinite as skip_nonfinite
+from rudax.optim._sgd import sgd as sgd
 
 __all__ = [
+    "ClipByGlobalNormState",
+    "DynamicLossScaleState",
+    "Fp32MasterState",
+    "GradientAccumulator",
+    "ScaleByLBFGSState",
+    "SkipNonfiniteState",
     "adagrad",
     "adam",
     "adamw",
     "adan",
     "clip_by_global_norm",
     "clip_per_parameter",
-    "ClipByGlobalNormState",
     "constant_schedule",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "dynamic_loss_scale",
-    "DynamicLossScaleState",
     "exponential_decay",
     "fp32_master",
-    "Fp32MasterState",
-    "GradientAccumulator",
     "join_schedules",
     "lbfgs",
     "linear_schedule",
@@ -80,10 +73,8 @@ __all__ = [
     "scale_by_lbfgs",
     "scale_by_muon",
     "scale_by_strong_wolfe",
-    "ScaleByLBFGSState",
     "sgd",
     "skip_nonfinite",
-    "SkipNonfiniteState",
     "step_schedule",
     "warmup_cosine_decay_schedule",
     "warmup_cosine_schedule",

@@ -13,13 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._adam import (
-    Schedule,
-    as_weak,
-    scale_by_learning_rate,
-    static_nonzero,
-    with_moment_dtype,
-)
+from rudax.optim._precision import as_weak, map_in_compute_dtype
+from rudax.optim._torch_chain import torch_chain
 from rudax.optim._validation import check_learning_rate, check_non_negative
 
 
@@ -66,17 +61,19 @@ def scale_by_torch_adagrad(
         del params
         # Before the increment the count is torch's t - 1.
         decay = 1 + state.count.astype(jnp.float32) * lr_decay
-        sums = jax.tree.map(lambda g, s: s + g * g, updates, state.sum)
-        new_updates = jax.tree.map(
-            lambda g, s: g / (jnp.sqrt(s) + eps) / decay.astype(g.dtype), updates, sums
-        )
+
+        def leaf(g: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+            s = s + g * g
+            return g / (jnp.sqrt(s) + eps) / decay.astype(g.dtype), s
+
+        new_updates, sums = map_in_compute_dtype(leaf, updates, state.sum)
         return new_updates, ScaleByTorchAdagradState(optax.safe_increment(state.count), sums)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 def adagrad(
-    learning_rate: float | Schedule,
+    learning_rate: optax.ScalarOrSchedule,
     lr_decay: float = 0.0,
     weight_decay: float = 0.0,
     initial_accumulator_value: float = 0.0,
@@ -104,8 +101,9 @@ def adagrad(
       weight_decay: L2 coefficient added to the gradient; >= 0.
       initial_accumulator_value: the starting value of the sum of squares, >= 0.
       eps: added to the root of the sum of squares, >= 0.
-      moment_dtype: dtype of the sum-of-squares buffer and of the update arithmetic (None:
-        each parameter's own dtype). Updates are returned in the parameters' dtype.
+      moment_dtype: storage dtype of the sum of squares, e.g. ``jnp.float32`` for bf16
+        parameters; None keeps each parameter's dtype. Each update is computed in the wider of
+        this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(add_decayed_weights,
@@ -130,14 +128,9 @@ def adagrad(
     """
     check_learning_rate(learning_rate)
     check_non_negative("weight_decay", weight_decay)
-    decay = (
-        [optax.add_decayed_weights(as_weak(weight_decay))] if static_nonzero(weight_decay) else []
-    )
-    return with_moment_dtype(
-        optax.chain(
-            *decay,
-            scale_by_torch_adagrad(lr_decay, initial_accumulator_value, eps),
-            scale_by_learning_rate(learning_rate),
-        ),
+    return torch_chain(
+        [scale_by_torch_adagrad(lr_decay, initial_accumulator_value, eps)],
+        learning_rate,
+        weight_decay,
         moment_dtype,
     )

@@ -1,114 +1,31 @@
-"""Adam and AdamW with ``torch.optim``'s update rules, and the moment-dtype wrapper.
+"""Adam and AdamW with ``torch.optim``'s update rules.
 
 Both optimizers share one transform, ``scale_by_torch_adam``, which differs from
 ``optax.scale_by_adam`` in one place: its amsgrad keeps the running maximum of the *raw*
 second moment and bias-corrects that maximum, as torch does (optax's ``scale_by_amsgrad``
 keeps the maximum of the bias-corrected moment, which gives a different, larger denominator
 in early steps). Weight decay is optax's ``add_decayed_weights`` placed before the moments
-(``adam``, L2-coupled) or after them (``adamw``, decoupled).
-
-``with_moment_dtype`` lives here because every torch-style optimizer (sgd, adagrad, rmsprop
-too) uses it and adam is the first of them; it keeps fp32 buffers for bf16 parameters.
+(``adam``, L2-coupled) or after them (``adamw``, decoupled); see ``torch_chain``.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from rudax.optim._precision import as_weak, map_in_compute_dtype
+from rudax.optim._torch_chain import torch_chain
 from rudax.optim._validation import (
     check_bool,
-    check_float_dtype,
     check_in_range,
     check_learning_rate,
     check_non_negative,
 )
-
-Schedule = Callable[[jax.Array], jax.Array]
-
-
-def as_weak(value: Any) -> Any:
-    """A concrete Python or NumPy number as a Python float; anything else as it is.
-
-    JAX treats a Python float as weakly typed, so ``b1 * m`` keeps ``m``'s dtype under strict
-    promotion even when ``m`` is bf16; a NumPy float32 scalar would not. Arrays (as
-    ``optax.inject_hyperparams`` passes) stay arrays.
-    """
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def static_nonzero(value: Any) -> bool:
-    """False only for a Python or NumPy number equal to 0, which lets a factory drop a term.
-
-    An array, even a concrete one, counts as non-zero: ``optax.inject_hyperparams`` builds the
-    optimizer once with concrete arrays (init) and once with tracers (update), and both must
-    give the same state structure.
-    """
-    return not (isinstance(value, numbers.Real) and value == 0)
-
-
-def with_moment_dtype(
-    inner: optax.GradientTransformation, moment_dtype: Any
-) -> optax.GradientTransformation:
-    """Runs ``inner`` with gradients, parameters and buffers in ``moment_dtype``.
-
-    ``inner.init`` sees the parameters cast to ``moment_dtype``, so every float buffer it
-    allocates has that dtype; ``inner.update`` sees the gradients and parameters cast to it, so
-    its arithmetic (moments, weight decay, learning rate) runs in it; the updates are cast once,
-    at the end, to each parameter's dtype (the gradient's when ``params`` is not given). With
-    ``moment_dtype=None`` this returns ``inner`` unchanged: buffers and arithmetic in each
-    parameter's own dtype.
-
-    Args:
-      inner: the transformation to run.
-      moment_dtype: a floating dtype, or None.
-
-    Returns:
-      An ``optax.GradientTransformation`` with ``inner``'s state.
-    """
-    check_float_dtype("moment_dtype", moment_dtype)
-    if moment_dtype is None:
-        return inner
-    dtype = jnp.dtype(moment_dtype)
-
-    def cast(tree: Any, what: str) -> Any:
-        def leaf(path: Any, x: Any) -> jax.Array:
-            x = jnp.asarray(x)
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                raise TypeError(
-                    f"{what} {jax.tree_util.keystr(path)} must have a floating dtype to be "
-                    f"computed in moment_dtype={dtype.name}, got dtype={x.dtype}"
-                )
-            return x.astype(dtype)
-
-        return jax.tree_util.tree_map_with_path(leaf, tree)
-
-    def init_fn(params: Any) -> Any:
-        return inner.init(cast(params, "parameter"))
-
-    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        like = updates if params is None else params
-        cast_params = None if params is None else cast(params, "parameter")
-        new_updates, state = inner.update(cast(updates, "gradient"), state, cast_params)
-        new_updates = jax.tree.map(lambda u, x: u.astype(jnp.result_type(x)), new_updates, like)
-        return new_updates, state
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def scale_by_learning_rate(learning_rate: float | Schedule) -> optax.GradientTransformation:
-    """``optax.scale_by_learning_rate`` with a number made weakly typed (see ``as_weak``)."""
-    return optax.scale_by_learning_rate(
-        learning_rate if callable(learning_rate) else as_weak(learning_rate)
-    )
 
 
 def _log(decay: Any) -> Any:
@@ -139,7 +56,8 @@ def scale_by_torch_adam(
         v_max = max(v_max, v)                     (amsgrad; v_max replaces v below)
         u = (m / (1 - b1**t)) / (sqrt(v) / sqrt(1 - b2**t) + eps)
 
-    Buffers have the parameters' dtype; wrap with ``with_moment_dtype`` to change it.
+    Buffers are allocated like the parameters ``init`` sees; each leaf is computed in the wider
+    of its gradient's and its buffers' dtypes (``rudax/optim/_precision.py``).
 
     Args:
       b1: decay of the first moment, in [0, 1).
@@ -174,41 +92,30 @@ def scale_by_torch_adam(
         del params
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
-        bias_correction1 = -jnp.expm1(t * log_b1)
-        bias_correction2_sqrt = jnp.sqrt(-jnp.expm1(t * log_b2))
-
-        exp_avg = jax.tree.map(lambda g, m: b1 * m + (1 - b1) * g, updates, state.exp_avg)
-        exp_avg_sq = jax.tree.map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.exp_avg_sq)
-        max_exp_avg_sq = (
-            jax.tree.map(jnp.maximum, state.max_exp_avg_sq, exp_avg_sq) if amsgrad else None
-        )
-
         # The bias corrections are scalars: multiplying by their reciprocals (one scalar
         # division each) leaves one division per element instead of three. The step is
         # memory- and divide-bound on CPU, and the result is within an ulp of torch's
         # `m / bc1 / (sqrt(v) / sqrt(bc2) + eps)`.
-        inv_bc1 = 1.0 / bias_correction1
-        inv_bc2_sqrt = 1.0 / bias_correction2_sqrt
+        inv_bc1 = 1.0 / -jnp.expm1(t * log_b1)
+        inv_bc2_sqrt = 1.0 / jnp.sqrt(-jnp.expm1(t * log_b2))
 
-        def direction(m: jax.Array, v: jax.Array) -> jax.Array:
-            denom = jnp.sqrt(v) * inv_bc2_sqrt.astype(v.dtype) + eps
-            return (m * inv_bc1.astype(m.dtype)) / denom
+        def leaf(g: jax.Array, m: jax.Array, v: jax.Array, *v_max: jax.Array) -> tuple:
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            v_max = tuple(jnp.maximum(x, v) for x in v_max)  # empty unless amsgrad
+            denom = jnp.sqrt(v_max[0] if amsgrad else v) * inv_bc2_sqrt.astype(g.dtype) + eps
+            return (m * inv_bc1.astype(g.dtype)) / denom, m, v, *v_max
 
-        second = max_exp_avg_sq if amsgrad else exp_avg_sq
-        new_updates = jax.tree.map(direction, exp_avg, second)
+        buffers = (state.exp_avg, state.exp_avg_sq, *([state.max_exp_avg_sq] if amsgrad else []))
+        new_updates, exp_avg, exp_avg_sq, *v_max = map_in_compute_dtype(leaf, updates, *buffers)
+        max_exp_avg_sq = v_max[0] if amsgrad else None
         return new_updates, ScaleByTorchAdamState(count, exp_avg, exp_avg_sq, max_exp_avg_sq)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _check_common(learning_rate: Any, eps: Any, weight_decay: Any) -> None:
-    check_learning_rate(learning_rate)
-    check_non_negative("eps", eps)
-    check_non_negative("weight_decay", weight_decay)
-
-
 def adam(
-    learning_rate: float | Schedule,
+    learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -239,9 +146,9 @@ def adam(
       eps: added to the bias-corrected root of the second moment; >= 0.
       weight_decay: L2 coefficient added to the gradient before the moments; >= 0.
       amsgrad: use the running maximum of the second moment (Reddi et al.).
-      moment_dtype: dtype of the moment buffers and of the update arithmetic (None: each
-        parameter's own dtype). ``jnp.float32`` with bf16 parameters keeps fp32 moments;
-        updates are returned in the parameters' dtype.
+      moment_dtype: storage dtype of the moments (and amsgrad's maximum), e.g. ``jnp.float32``
+        for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
+        wider of this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(add_decayed_weights, scale_by_torch_adam,
@@ -263,22 +170,15 @@ def adam(
       and Beyond <https://openreview.net/forum?id=ryQu7f-RZ>`_, 2018; PyTorch,
       ``torch.optim.Adam``.
     """
-    _check_common(learning_rate, eps, weight_decay)
-    decay = (
-        [optax.add_decayed_weights(as_weak(weight_decay))] if static_nonzero(weight_decay) else []
-    )
-    return with_moment_dtype(
-        optax.chain(
-            *decay,
-            scale_by_torch_adam(b1, b2, eps, amsgrad),
-            scale_by_learning_rate(learning_rate),
-        ),
-        moment_dtype,
+    check_learning_rate(learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+    return torch_chain(
+        [scale_by_torch_adam(b1, b2, eps, amsgrad)], learning_rate, weight_decay, moment_dtype
     )
 
 
 def adamw(
-    learning_rate: float | Schedule,
+    learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -310,9 +210,9 @@ def adamw(
       eps: added to the bias-corrected root of the second moment; >= 0.
       weight_decay: decoupled decay coefficient, multiplied by the learning rate; >= 0.
       amsgrad: use the running maximum of the second moment (Reddi et al.).
-      moment_dtype: dtype of the moment buffers and of the update arithmetic (None: each
-        parameter's own dtype). ``jnp.float32`` with bf16 parameters keeps fp32 moments;
-        updates are returned in the parameters' dtype.
+      moment_dtype: storage dtype of the moments (and amsgrad's maximum), e.g. ``jnp.float32``
+        for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
+        wider of this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(scale_by_torch_adam, add_decayed_weights,
@@ -332,15 +232,12 @@ def adamw(
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019; PyTorch, ``torch.optim.AdamW``.
     """
-    _check_common(learning_rate, eps, weight_decay)
-    decay = (
-        [optax.add_decayed_weights(as_weak(weight_decay))] if static_nonzero(weight_decay) else []
-    )
-    return with_moment_dtype(
-        optax.chain(
-            scale_by_torch_adam(b1, b2, eps, amsgrad),
-            *decay,
-            scale_by_learning_rate(learning_rate),
-        ),
+    check_learning_rate(learning_rate)
+    check_non_negative("weight_decay", weight_decay)
+    return torch_chain(
+        [scale_by_torch_adam(b1, b2, eps, amsgrad)],
+        learning_rate,
+        weight_decay,
         moment_dtype,
+        decoupled=True,
     )

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._validation import (
-    check_float_dtype,
-    check_in_range,
-    check_learning_rate,
-    check_non_negative,
+from rudax.optim._precision import (
+    as_weak,
+    map_in_compute_dtype,
+    scale_by_learning_rate,
+    with_moment_dtype,
 )
+from rudax.optim._validation import check_in_range, check_learning_rate, check_non_negative
 
 
 class ScaleByAdanState(NamedTuple):
@@ -42,16 +43,14 @@ def scale_by_adan(
         n_t = b3 n_{t-1} + (1 - b3) (g_t + b2 d_t)**2
         u_t = (m_t / c1 + b2 v_t / c2) / (sqrt(n_t) / sqrt(c3) + eps)
 
-    Moments are stored in ``moment_dtype`` and computed in the wider of it and the gradient's
-    dtype; ``u_t`` is returned in the parameters' dtype (the gradients' if no params are given).
-
     Args:
       b1: decay of the gradient EMA (the paper's ``1 - beta1``).
       b2: decay of the gradient-difference EMA (the paper's ``1 - beta2``).
       b3: decay of the squared-term EMA (the paper's ``1 - beta3``).
       eps: added to the denominator outside the square root.
-      moment_dtype: dtype of ``m``, ``v``, ``n`` and the previous gradient; None keeps each
-        parameter's dtype.
+      moment_dtype: storage dtype of ``m, v, n`` and the previous gradient, e.g. ``jnp.float32``
+        for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
+        wider of this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a ``ScaleByAdanState``.
@@ -72,23 +71,16 @@ def scale_by_adan(
     for name, value in (("b1", b1), ("b2", b2), ("b3", b3)):
         check_in_range(name, value, 0.0, 1.0)
     check_non_negative("eps", eps)
-    check_float_dtype("moment_dtype", moment_dtype)
-    b1, b2, b3, eps = (_weak_float(x) for x in (b1, b2, b3, eps))
+    b1, b2, b3, eps = (as_weak(x) for x in (b1, b2, b3, eps))
 
     def init_fn(params: optax.Params) -> ScaleByAdanState:
-        zeros = lambda p: jnp.zeros(p.shape, moment_dtype or p.dtype)
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)
         return ScaleByAdanState(
-            count=jnp.zeros([], jnp.int32),
-            m=jax.tree.map(zeros, params),
-            v=jax.tree.map(zeros, params),
-            n=jax.tree.map(zeros, params),
-            prev_grad=jax.tree.map(zeros, params),
+            count=jnp.zeros([], jnp.int32), m=zeros(), v=zeros(), n=zeros(), prev_grad=zeros()
         )
 
     def update_fn(updates, state, params=None):
-        # Updates take the parameters' dtype, so apply_updates needs no implicit promotion
-        # when fp32 gradients (unscaled, accumulated) meet bf16 parameters.
-        like = updates if params is None else params
+        del params
         first = state.count == 0
         count = optax.safe_increment(state.count)
         # Bias corrections in fp32 whatever the moment dtype: 1 - b**t for b near 1 needs more
@@ -96,41 +88,22 @@ def scale_by_adan(
         t = count.astype(jnp.float32)
         c1, c2, c3 = (1.0 - b**t for b in (b1, b2, b3))
 
-        def leaf(g_in, p, m, v, n, prev):
-            store, dtype = m.dtype, _wider(g_in.dtype, m.dtype)
-            g = g_in.astype(dtype)
-            d = jnp.where(first, jnp.zeros_like(g), g - prev.astype(dtype))
-            m = b1 * m.astype(dtype) + (1.0 - b1) * g
-            v = b2 * v.astype(dtype) + (1.0 - b2) * d
+        def leaf(g, m, v, n, prev):
+            d = jnp.where(first, jnp.zeros_like(g), g - prev)
+            m = b1 * m + (1.0 - b1) * g
+            v = b2 * v + (1.0 - b2) * d
             nesterov_g = g + b2 * d
-            n = b3 * n.astype(dtype) + (1.0 - b3) * (nesterov_g * nesterov_g)
-            denom = jnp.sqrt(n) / jnp.sqrt(c3).astype(dtype) + eps
-            u = (m / c1.astype(dtype) + b2 * v / c2.astype(dtype)) / denom
-            return u.astype(p.dtype), *(x.astype(store) for x in (m, v, n, g))
+            n = b3 * n + (1.0 - b3) * (nesterov_g * nesterov_g)
+            denom = jnp.sqrt(n) / jnp.sqrt(c3).astype(g.dtype) + eps
+            u = (m / c1.astype(g.dtype) + b2 * v / c2.astype(g.dtype)) / denom
+            return u, m, v, n, g
 
-        treedef = jax.tree.structure(updates)
-        out = treedef.flatten_up_to(
-            jax.tree.map(leaf, updates, like, state.m, state.v, state.n, state.prev_grad)
+        u, m, v, n, g = map_in_compute_dtype(
+            leaf, updates, state.m, state.v, state.n, state.prev_grad
         )
-        u, m, v, n, g = (treedef.unflatten([o[i] for o in out]) for i in range(5))
         return u, ScaleByAdanState(count=count, m=m, v=v, n=n, prev_grad=g)
 
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _wider(a: Any, b: Any) -> Any:
-    """The compute dtype of a gradient and a moment, asked under standard promotion on purpose:
-    strict mode (rightly) refuses to guess it, but here the wider dtype is the stated rule."""
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(a, b)
-
-
-def _weak_float(value: Any) -> Any:
-    """A concrete number as a Python float: a numpy or jax float32 scalar is strongly typed and
-    would fail strict promotion against bf16 updates, a Python float adopts their dtype."""
-    if callable(value) or isinstance(value, jax.core.Tracer):
-        return value
-    return float(value)
+    return with_moment_dtype(optax.GradientTransformation(init_fn, update_fn), moment_dtype)
 
 
 class ProximalWeightDecayState(NamedTuple):
@@ -210,8 +183,9 @@ def adan(
       b3: decay of the squared-term EMA (paper ``1 - beta3``), in [0, 1).
       eps: added to the denominator outside the square root, >= 0.
       weight_decay: proximal (decoupled) L2 strength, >= 0.
-      moment_dtype: dtype of the moments and the stored previous gradient (e.g.
-        ``jnp.float32`` for bf16 parameters); None keeps each parameter's dtype.
+      moment_dtype: storage dtype of ``m, v, n`` and the previous gradient, e.g. ``jnp.float32``
+        for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
+        wider of this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation``: ``scale_by_adan``, the learning rate, the decay.
@@ -235,9 +209,13 @@ def adan(
     """
     check_learning_rate(learning_rate)
     check_non_negative("weight_decay", weight_decay)
-    learning_rate = _weak_float(learning_rate)
-    return optax.chain(
-        scale_by_adan(b1, b2, b3, eps, moment_dtype=moment_dtype),
-        optax.scale_by_learning_rate(learning_rate),
-        _proximal_weight_decay(learning_rate, _weak_float(weight_decay)),
+    learning_rate = as_weak(learning_rate)
+    # moment_dtype=None inside: the outer with_moment_dtype applies it to the whole chain.
+    return with_moment_dtype(
+        optax.chain(
+            scale_by_adan(b1, b2, b3, eps),
+            scale_by_learning_rate(learning_rate),
+            _proximal_weight_decay(learning_rate, as_weak(weight_decay)),
+        ),
+        moment_dtype,
     )

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._validation import check_positive
+from rudax.optim._validation import check_floating_leaves, check_positive
 
 # torch adds this to the norm before dividing, so a zero gradient never divides by zero.
 _NORM_EPS = 1e-6
@@ -32,15 +32,6 @@ class ClipByGlobalNormState(NamedTuple):
     """State of ``clip_by_global_norm``: the norm seen by the last update, for logging."""
 
     global_norm: jax.Array  # shape=(), float32: the pre-clip global L2 norm of the last update
-
-
-def _check_floating(updates: Any, who: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise TypeError(
-                f"{who}: gradient {jax.tree_util.keystr(path)} must have a floating dtype, "
-                f"got dtype={jnp.result_type(leaf)}"
-            )
 
 
 def _sum_of_squares(g: jax.Array) -> jax.Array:
@@ -58,6 +49,14 @@ def _scale(g: jax.Array, coefficient: jax.Array) -> jax.Array:
     # At least fp32; not jnp.promote_types, which refuses bf16 + fp32 under strict promotion.
     compute_dtype = g.dtype if jnp.finfo(g.dtype).bits >= 32 else jnp.float32
     return (g.astype(compute_dtype) * coefficient.astype(compute_dtype)).astype(g.dtype)
+
+
+def clip_leaf_by_norm(g: jax.Array, max_norm: Any) -> jax.Array:
+    """One leaf clipped to L2 norm ``max_norm`` by torch's rule, in its own dtype.
+
+    The per-leaf step of ``clip_per_parameter``, shared with ``fp32_master``'s option.
+    """
+    return _scale(g, _coefficient(jnp.sqrt(_sum_of_squares(g)), max_norm))
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -103,7 +102,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         updates: Any, state: ClipByGlobalNormState, params: Any = None
     ) -> tuple[Any, ClipByGlobalNormState]:
         del params, state
-        _check_floating(updates, "clip_by_global_norm")
+        check_floating_leaves("clip_by_global_norm: gradient", updates)
         squares = [_sum_of_squares(g) for g in jax.tree.leaves(updates)]
         norm = jnp.sqrt(sum(squares, start=jnp.zeros((), jnp.float32)))
         coefficient = _coefficient(norm, max_norm)
@@ -150,12 +149,8 @@ def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
         updates: Any, state: optax.EmptyState, params: Any = None
     ) -> tuple[Any, optax.EmptyState]:
         del params
-        _check_floating(updates, "clip_per_parameter")
+        check_floating_leaves("clip_per_parameter: gradient", updates)
 
-        def clip_leaf(g: jax.Array) -> jax.Array:
-            norm = jnp.sqrt(_sum_of_squares(g))
-            return _scale(g, _coefficient(norm, max_norm))
-
-        return jax.tree.map(clip_leaf, updates), state
+        return jax.tree.map(lambda g: clip_leaf_by_norm(g, max_norm), updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -25,8 +25,10 @@ import jax.numpy as jnp
 import optax
 
 from rudax.optim._linesearch import check_wolfe_constants, scale_by_strong_wolfe
+from rudax.optim._precision import compute_dtype, scale_by_learning_rate
 from rudax.optim._validation import (
     check_float_dtype,
+    check_floating_leaves,
     check_learning_rate,
     check_non_negative,
     check_positive_int,
@@ -74,16 +76,6 @@ def _axpy(alpha: jax.Array, x: Any, y: Any) -> Any:
     return jax.tree.map(lambda xi, yi: alpha.astype(yi.dtype) * xi + yi, x, y)
 
 
-def _check_floating_leaves(tree: Any, who: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"{who}: {jax.tree_util.keystr(path)} must have a real floating dtype, "
-                f"got dtype={dtype}"
-            )
-
-
 def _two_loop(
     grads: Any,
     s_history: Any,
@@ -101,10 +93,14 @@ def _two_loop(
     n = jnp.minimum(num_pairs, history_size)
     newest = num_pairs - 1
 
-    def pair(i):  # i = 0 is the newest pair
+    def pair(i):  # i = 0 is the newest pair, read in the gradients' (compute) dtypes
         idx = (newest - i) % history_size
-        take = lambda h: jax.lax.dynamic_index_in_dim(h, idx, keepdims=False)
-        return jax.tree.map(take, s_history), jax.tree.map(take, y_history), rho[idx]
+        take = lambda h, g: jax.lax.dynamic_index_in_dim(h, idx, keepdims=False).astype(g.dtype)
+        return (
+            jax.tree.map(take, s_history, grads),
+            jax.tree.map(take, y_history, grads),
+            rho[idx],
+        )
 
     def newest_to_oldest(i, carry):
         q, alphas = carry
@@ -152,12 +148,14 @@ def scale_by_lbfgs(
       tolerance_grad: the update is zero once the gradient's largest magnitude is at most this.
       tolerance_change: the update is zero when the directional derivative ``g.d`` is above
         ``-tolerance_change`` (torch's "directional derivative below tolerance").
-      history_dtype: dtype of the stored pairs and previous iterate; ``None`` keeps the
-        parameters' dtype. ``jnp.float32`` keeps an fp32 memory for bf16/fp16 parameters.
+      history_dtype: storage dtype of the stored pairs and the previous iterate and gradient,
+        e.g. ``jnp.float32`` for bf16 parameters; None keeps each parameter's dtype. Each
+        update is computed in the wider of this and the gradient's dtype and returned in the
+        parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation`` with a ``ScaleByLBFGSState``; ``update`` needs
-      ``params``. Outputs have the gradients' dtypes.
+      ``params``. Outputs have the parameters' dtypes.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -178,16 +176,12 @@ def scale_by_lbfgs(
     check_non_negative("tolerance_change", tolerance_change)
     check_float_dtype("history_dtype", history_dtype)
 
-    def to_history(tree: Any) -> Any:
-        if history_dtype is None:
-            return jax.tree.map(jnp.asarray, tree)
-        return jax.tree.map(lambda x: jnp.asarray(x).astype(history_dtype), tree)
-
     def init_fn(params: optax.Params) -> ScaleByLBFGSState:
         if not jax.tree.leaves(params):
             raise ValueError(f"lbfgs: params has no array leaves, got params={params!r}")
-        _check_floating_leaves(params, "lbfgs")
-        zeros = jax.tree.map(jnp.zeros_like, to_history(params))
+        check_floating_leaves("lbfgs: parameter", params)
+        dtype = lambda p: jnp.result_type(p) if history_dtype is None else history_dtype
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype(p)), params)
         stacked = jax.tree.map(lambda x: jnp.zeros((history_size, *x.shape), x.dtype), zeros)
         scalar_dtype = _scalar_dtype(zeros)
         return ScaleByLBFGSState(
@@ -207,8 +201,20 @@ def scale_by_lbfgs(
     ) -> tuple[optax.Updates, ScaleByLBFGSState]:
         if params is None:
             raise ValueError("lbfgs: update needs params (the memory stores parameter steps)")
-        _check_floating_leaves(updates, "lbfgs")
-        grads = to_history(updates)
+        check_floating_leaves("lbfgs: gradient", updates)
+        # The moment-dtype rule of rudax/optim/_precision.py: the memory keeps its dtype, each
+        # leaf is computed in the wider of it and the gradient's, updates take the parameters'.
+        dtypes = jax.tree.map(
+            lambda g, h: compute_dtype(jnp.result_type(g), h.dtype), updates, state.prev_grads
+        )
+        widen = lambda tree: jax.tree.map(lambda x, d: jnp.asarray(x).astype(d), tree, dtypes)
+        to_memory = lambda tree: jax.tree.map(
+            lambda x, h: x.astype(h.dtype), tree, state.prev_grads
+        )
+        to_params = lambda tree: jax.tree.map(
+            lambda u, p: u.astype(jnp.result_type(p)), tree, params
+        )
+        grads = widen(updates)
         dtype = state.rho.dtype
         g_inf = jnp.max(
             jnp.stack([jnp.max(jnp.abs(g)).astype(dtype) for g in jax.tree.leaves(grads)])
@@ -216,17 +222,17 @@ def scale_by_lbfgs(
         converged = g_inf <= jnp.asarray(tolerance_grad, dtype)
 
         def stop(state):
-            zeros = jax.tree.map(jnp.zeros_like, updates)
+            zeros = to_params(jax.tree.map(jnp.zeros_like, grads))
             return zeros, state._replace(stopped=jnp.ones((), jnp.bool_))
 
         def iterate(state):
-            x = to_history(params)
-            s = jax.tree.map(jnp.subtract, x, state.prev_params)
-            y = jax.tree.map(jnp.subtract, grads, state.prev_grads)
+            x = widen(params)
+            s = jax.tree.map(jnp.subtract, x, widen(state.prev_params))
+            y = jax.tree.map(jnp.subtract, grads, widen(state.prev_grads))
             ys = _vdot(y, s, dtype)
             accept = (state.count > 0) & (ys > _MIN_CURVATURE)
             slot = state.num_pairs % history_size
-            write = lambda h, v: h.at[slot].set(jnp.where(accept, v, h[slot]))
+            write = lambda h, v: h.at[slot].set(jnp.where(accept, v.astype(h.dtype), h[slot]))
             s_history = jax.tree.map(write, state.s_history, s)
             y_history = jax.tree.map(write, state.y_history, y)
             rho = write(state.rho, 1.0 / jnp.where(accept, ys, 1.0))
@@ -239,14 +245,12 @@ def scale_by_lbfgs(
             g_l1 = sum(jnp.sum(jnp.abs(g)).astype(dtype) for g in jax.tree.leaves(grads))
             first_scale = jnp.where(state.count == 0, jnp.minimum(1.0, 1.0 / g_l1), 1.0)
             scale = jnp.where(no_descent, 0.0, first_scale).astype(dtype)
-            out = jax.tree.map(
-                lambda d, u: (scale.astype(d.dtype) * d).astype(u.dtype), direction, updates
-            )
+            out = to_params(jax.tree.map(lambda d: scale.astype(d.dtype) * d, direction))
             return out, ScaleByLBFGSState(
                 count=state.count + 1,
                 stopped=no_descent,
-                prev_params=x,
-                prev_grads=grads,
+                prev_params=to_memory(x),
+                prev_grads=to_memory(grads),
                 s_history=s_history,
                 y_history=y_history,
                 rho=rho,
@@ -316,7 +320,8 @@ def lbfgs(
       max_linesearch_steps: most objective evaluations per line search.
       tolerance_grad: the update is zero once ``max|g| <= tolerance_grad``.
       tolerance_change: the update is zero when ``g.d > -tolerance_change``.
-      history_dtype: dtype of the L-BFGS memory; None keeps the parameters' dtype.
+      history_dtype: storage dtype of the L-BFGS memory, e.g. ``jnp.float32`` for bf16
+        parameters; None keeps each parameter's dtype (see ``scale_by_lbfgs``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``: ``update(grads, state, params, *, value,
@@ -366,7 +371,7 @@ def lbfgs(
             tolerance_change=tolerance_change,
             history_dtype=history_dtype,
         ),
-        optax.scale_by_learning_rate(learning_rate),
+        scale_by_learning_rate(learning_rate),
     ]
     if line_search == "strong_wolfe":
         transforms.append(scale_by_strong_wolfe(c1, c2, max_linesearch_steps=max_linesearch_steps))

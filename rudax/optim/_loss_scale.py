@@ -15,8 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._nonfinite import all_finite, check_transformation, update_unless_skipped
-from rudax.optim._validation import check_in_range, check_positive, check_positive_int
+from rudax.optim._nonfinite import all_finite, update_unless_skipped
+from rudax.optim._validation import (
+    check_in_range,
+    check_positive,
+    check_positive_int,
+    check_transformation,
+)
 
 
 class DynamicLossScaleState(NamedTuple):

@@ -35,13 +35,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from rudax.optim._nonfinite import check_transformation
-from rudax.optim._validation import check_positive
+from rudax.optim._clipping import clip_leaf_by_norm
+from rudax.optim._validation import check_positive, check_transformation
 
 _STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-# torch's clip_grad_norm_ adds this to the norm, so a zero gradient never divides by zero.
-_CLIP_NORM_EPS = 1e-6
 
 
 class Fp32MasterState(NamedTuple):
@@ -98,12 +95,6 @@ def _storage_update(
     stored = _round_to(p + u, param.dtype)
     hits_target = _bits(stored) == _bits(t)
     return u.astype(param.dtype), jnp.where(hits_target, m, stored)
-
-
-def _clip_leaf(g: jax.Array, max_norm: float) -> jax.Array:
-    """torch's clip_grad_norm_ on one leaf (as ``rudax.optim.clip_per_parameter``), in fp32."""
-    norm = jnp.sqrt(jnp.sum(g * g))
-    return g * jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (norm + _CLIP_NORM_EPS), 1.0)
 
 
 def fp32_master(
@@ -185,7 +176,7 @@ def fp32_master(
             scale = jnp.asarray(gradient_scale).astype(jnp.float32)
             grads = jax.tree.map(lambda g: g / scale, grads)
         if clip_per_parameter is not None:
-            grads = jax.tree.map(lambda g: _clip_leaf(g, clip_per_parameter), grads)
+            grads = jax.tree.map(lambda g: clip_leaf_by_norm(g, clip_per_parameter), grads)
         inner_updates, inner_state = inner.update(
             grads, state.inner_state, state.master, **extra_args
         )

@@ -11,6 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rudax.optim._adam import adamw
+from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
+from rudax.optim._torch_chain import torch_chain
 from rudax.optim._validation import (
     check_bool,
     check_finite,
@@ -121,7 +124,9 @@ def scale_by_muon(
       adjust_lr_fn: None or ``"original"`` (the same), or ``"match_rms_adamw"``.
       matrix_layout: ``"in_out"`` (flax kernels, the default) or ``"out_in"`` (torch weights).
       ns_dtype: floating dtype of the Newton-Schulz iteration; ``jnp.float32`` for exactness.
-      moment_dtype: dtype of the momentum buffer; None keeps each parameter's dtype.
+      moment_dtype: storage dtype of the momentum buffer, e.g. ``jnp.float32`` for bf16
+        parameters; None keeps each parameter's dtype. Each update is computed in the wider of
+        this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a ``ScaleByMuonState``. Every leaf
@@ -157,36 +162,26 @@ def scale_by_muon(
     check_float_dtype("ns_dtype", ns_dtype)
     if ns_dtype is None:
         raise TypeError(f"ns_dtype must be a floating dtype, got {ns_dtype=}")
-    check_float_dtype("moment_dtype", moment_dtype)
-    momentum, eps = _weak_float(momentum), _weak_float(eps)
+    momentum, eps = as_weak(momentum), as_weak(eps)
 
     def init_fn(params: optax.Params) -> ScaleByMuonState:
         jax.tree_util.tree_map_with_path(_check_matrix, params)
-        return ScaleByMuonState(
-            momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, moment_dtype or p.dtype), params)
-        )
+        return ScaleByMuonState(momentum=jax.tree.map(jnp.zeros_like, params))
 
     def update_fn(updates, state, params=None):
+        del params
         jax.tree_util.tree_map_with_path(_check_matrix, updates)
-        # Updates take the parameters' dtype, so the decay and apply_updates need no implicit
-        # promotion when fp32 gradients (unscaled, accumulated) meet bf16 parameters.
-        like = updates if params is None else params
 
-        def leaf(g_in, p, buf):
-            dtype = _wider(g_in.dtype, buf.dtype)
-            g = g_in.astype(dtype)
-            buf_new = momentum * buf.astype(dtype) + (1.0 - momentum) * g
-            m = (1.0 - momentum) * g + momentum * buf_new if nesterov else buf_new
-            o = _newton_schulz(m, coefficients, ns_steps, eps, ns_dtype).astype(p.dtype)
-            ratio = _lr_ratio(g_in.shape, adjust_lr_fn, matrix_layout)
-            return ratio * o, buf_new.astype(buf.dtype)
+        def leaf(g, buf):
+            buf = momentum * buf + (1.0 - momentum) * g
+            m = (1.0 - momentum) * g + momentum * buf if nesterov else buf
+            o = _newton_schulz(m, coefficients, ns_steps, eps, ns_dtype).astype(g.dtype)
+            return _lr_ratio(g.shape, adjust_lr_fn, matrix_layout) * o, buf
 
-        treedef = jax.tree.structure(updates)
-        out = treedef.flatten_up_to(jax.tree.map(leaf, updates, like, state.momentum))
-        u, buf = (treedef.unflatten([o[i] for o in out]) for i in range(2))
+        u, buf = map_in_compute_dtype(leaf, updates, state.momentum)
         return u, ScaleByMuonState(momentum=buf)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return with_moment_dtype(optax.GradientTransformation(init_fn, update_fn), moment_dtype)
 
 
 def _check_coefficients(value: Any) -> tuple[float, float, float]:
@@ -195,48 +190,6 @@ def _check_coefficients(value: Any) -> tuple[float, float, float]:
     for i, x in enumerate(value):
         check_finite(f"ns_coefficients[{i}]", x)
     return tuple(float(x) for x in value)
-
-
-class ScaleByAdamState(NamedTuple):
-    count: jax.Array  # shape=(), int32: updates applied so far
-    mu: optax.Updates  # EMA of gradients, moment_dtype
-    nu: optax.Updates  # EMA of squared gradients, moment_dtype
-
-
-def _scale_by_adam(b1: float, b2: float, eps: float, moment_dtype: Any):
-    """torch's Adam direction m_t / c1 / (sqrt(v_t) / sqrt(c2) + eps), moments in moment_dtype.
-
-    optax.scale_by_adam has the same rule but keeps nu in the parameter dtype and mixes dtypes
-    in ways strict promotion rejects; this one computes in the wider of gradient and moment.
-    """
-
-    def init_fn(params):
-        zeros = lambda p: jnp.zeros(p.shape, moment_dtype or p.dtype)
-        return ScaleByAdamState(
-            jnp.zeros([], jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params)
-        )
-
-    def update_fn(updates, state, params=None):
-        like = updates if params is None else params
-        count = optax.safe_increment(state.count)
-        t = count.astype(jnp.float32)
-        c1, c2 = 1.0 - b1**t, 1.0 - b2**t
-
-        def leaf(g_in, p, mu, nu):
-            dtype = _wider(g_in.dtype, mu.dtype)
-            g = g_in.astype(dtype)
-            mu_new = b1 * mu.astype(dtype) + (1.0 - b1) * g
-            nu_new = b2 * nu.astype(dtype) + (1.0 - b2) * (g * g)
-            denom = jnp.sqrt(nu_new) / jnp.sqrt(c2).astype(dtype) + eps
-            u = mu_new / c1.astype(dtype) / denom
-            return u.astype(p.dtype), mu_new.astype(mu.dtype), nu_new.astype(nu.dtype)
-
-        treedef = jax.tree.structure(updates)
-        out = treedef.flatten_up_to(jax.tree.map(leaf, updates, like, state.mu, state.nu))
-        u, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
-        return u, ScaleByAdamState(count, mu, nu)
-
-    return optax.GradientTransformation(init_fn, update_fn)
 
 
 MaskSpec = Any | Callable[[optax.Params], Any] | None
@@ -305,7 +258,8 @@ def muon(
         p_t = p_{t-1} (1 - lr_t weight_decay) - lr_t u_t
 
     Every other leaf (biases, norms, scalars, >2-D kernels, and any 2-D leaf the mask
-    excludes, such as embeddings or the output head) follows ``torch.optim.AdamW``::
+    excludes, such as embeddings or the output head) follows ``torch.optim.AdamW``, as
+    ``rudax.optim.adamw`` with the ``adamw_*`` arguments::
 
         p_t = p_{t-1} (1 - lr'_t wd') - lr'_t (m_t / c1) / (sqrt(v_t / c2) + adamw_eps)
 
@@ -336,8 +290,10 @@ def muon(
       adamw_eps: the fallback's eps, outside the square root, >= 0.
       adamw_weight_decay: the fallback's decoupled weight decay; None reuses ``weight_decay``.
       ns_dtype: dtype of the Newton-Schulz iteration: bfloat16 as torch, or ``jnp.float32``.
-      moment_dtype: dtype of every moment (Muon's buffer, AdamW's m and v); None keeps each
-        parameter's dtype, ``jnp.float32`` keeps fp32 moments for bf16 parameters.
+      moment_dtype: storage dtype of every buffer (Muon's momentum, AdamW's moments), e.g.
+        ``jnp.float32`` for bf16 parameters; None keeps each parameter's dtype. Each update is
+        computed in the wider of this and the gradient's dtype and returned in the parameter's
+        dtype.
 
     Returns:
       An ``optax.GradientTransformation`` (an ``optax.partition`` of the two chains). Its
@@ -371,45 +327,31 @@ def muon(
     check_non_negative("adamw_eps", adamw_eps)
     if adamw_weight_decay is not None:
         check_non_negative("adamw_weight_decay", adamw_weight_decay)
-    learning_rate = _weak_float(learning_rate)
-    adamw_learning_rate = (
-        learning_rate if adamw_learning_rate is None else _weak_float(adamw_learning_rate)
+    # moment_dtype=None inside: torch_chain and adamw apply it to their whole chains.
+    muon_chain = torch_chain(
+        [
+            scale_by_muon(
+                momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                ns_coefficients=ns_coefficients,
+                eps=eps,
+                adjust_lr_fn=adjust_lr_fn,
+                matrix_layout=matrix_layout,
+                ns_dtype=ns_dtype,
+            )
+        ],
+        learning_rate,
+        weight_decay,
+        moment_dtype,
+        decoupled=True,
     )
-    adamw_weight_decay = weight_decay if adamw_weight_decay is None else adamw_weight_decay
-
-    muon_chain = optax.chain(
-        scale_by_muon(
-            momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            adjust_lr_fn=adjust_lr_fn,
-            matrix_layout=matrix_layout,
-            ns_dtype=ns_dtype,
-            moment_dtype=moment_dtype,
-        ),
-        optax.add_decayed_weights(_weak_float(weight_decay)),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-    adamw_chain = optax.chain(
-        _scale_by_adam(*map(_weak_float, (adamw_b1, adamw_b2, adamw_eps)), moment_dtype),
-        optax.add_decayed_weights(_weak_float(adamw_weight_decay)),
-        optax.scale_by_learning_rate(adamw_learning_rate),
+    adamw_chain = adamw(
+        learning_rate if adamw_learning_rate is None else adamw_learning_rate,
+        adamw_b1,
+        adamw_b2,
+        adamw_eps,
+        weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+        moment_dtype=moment_dtype,
     )
     return optax.partition({"muon": muon_chain, "adamw": adamw_chain}, _muon_labels(muon_mask))
-
-
-def _wider(a: Any, b: Any) -> Any:
-    """The compute dtype of a gradient and a moment, asked under standard promotion on purpose:
-    strict mode (rightly) refuses to guess it, but here the wider dtype is the stated rule."""
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(a, b)
-
-
-def _weak_float(value: Any) -> Any:
-    """A concrete number as a Python float: a numpy or jax float32 scalar is strongly typed and
-    would fail strict promotion against bf16 updates, a Python float adopts their dtype."""
-    if callable(value) or isinstance(value, jax.core.Tracer):
-        return value
-    return float(value)

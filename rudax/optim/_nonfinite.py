@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from rudax.optim._validation import check_transformation
+
 
 class SkipNonfiniteState(NamedTuple):
     """State of ``skip_nonfinite``."""
@@ -25,15 +27,6 @@ class SkipNonfiniteState(NamedTuple):
     last_skipped: jax.Array  # shape=(), bool: True if the most recent update was skipped
     num_skipped: jax.Array  # shape=(), int32: updates skipped since init
     inner_state: Any  # the inner transformation's state; a skipped update leaves it as it was
-
-
-def check_transformation(name: str, value: Any) -> None:
-    """TypeError unless value looks like an optax transformation (init and update callables)."""
-    if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
-        raise TypeError(
-            f"{name} must be an optax.GradientTransformation (with init and update), "
-            f"got {name}={value!r}"
-        )
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -3,7 +3,9 @@
 torch adds ``eps`` outside the square root (optax's ``scale_by_rms`` adds it inside by
 default), decays with ``alpha=0.99`` (optax: 0.9), and applies momentum to ``g / avg`` before
 the learning rate (optax's ``rmsprop`` applies ``trace`` after it, which differs once the
-learning rate changes). The momentum buffer itself is exactly ``optax.trace``, reused here.
+learning rate changes). The momentum buffer is SGD's ``scale_by_torch_momentum`` without
+dampening: ``optax.trace`` computes the same buffer, but adds a buffer stored in bf16 to fp32
+arithmetic directly, which strict promotion rejects (``rudax/optim/_precision.py``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._adam import (
-    Schedule,
-    as_weak,
-    scale_by_learning_rate,
-    static_nonzero,
-    with_moment_dtype,
-)
+from rudax.optim._precision import as_weak, map_in_compute_dtype
+from rudax.optim._sgd import scale_by_torch_momentum
+from rudax.optim._torch_chain import static_nonzero, torch_chain
 from rudax.optim._validation import (
     check_bool,
     check_in_range,
@@ -71,24 +69,23 @@ def scale_by_torch_rms(
         updates: Any, state: ScaleByTorchRMSState, params: Any = None
     ) -> tuple[Any, ScaleByTorchRMSState]:
         del params
-        square_avg = jax.tree.map(
-            lambda g, v: alpha * v + (1 - alpha) * g * g, updates, state.square_avg
-        )
-        if centered:
-            grad_avg = jax.tree.map(
-                lambda g, a: alpha * a + (1 - alpha) * g, updates, state.grad_avg
-            )
-            variance = jax.tree.map(lambda v, a: jnp.maximum(v - a * a, 0), square_avg, grad_avg)
-        else:
-            grad_avg, variance = None, square_avg
-        new_updates = jax.tree.map(lambda g, v: g / (jnp.sqrt(v) + eps), updates, variance)
+
+        def leaf(g: jax.Array, v: jax.Array, *a: jax.Array) -> tuple:
+            v = alpha * v + (1 - alpha) * g * g
+            a = tuple(alpha * x + (1 - alpha) * g for x in a)  # empty unless centered
+            variance = jnp.maximum(v - a[0] * a[0], 0) if centered else v
+            return g / (jnp.sqrt(variance) + eps), v, *a
+
+        buffers = (state.square_avg, *([state.grad_avg] if centered else []))
+        new_updates, square_avg, *grad_avg = map_in_compute_dtype(leaf, updates, *buffers)
+        grad_avg = grad_avg[0] if centered else None
         return new_updates, ScaleByTorchRMSState(square_avg, grad_avg)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 def rmsprop(
-    learning_rate: float | Schedule,
+    learning_rate: optax.ScalarOrSchedule,
     alpha: float = 0.99,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -122,13 +119,14 @@ def rmsprop(
       weight_decay: L2 coefficient added to the gradient; >= 0.
       momentum: decay of the momentum buffer, in [0, 1) (torch accepts any value >= 0).
       centered: normalize by the estimated variance instead of the second moment.
-      moment_dtype: dtype of the buffers and of the update arithmetic (None: each
-        parameter's own dtype). Updates are returned in the parameters' dtype.
+      moment_dtype: storage dtype of the averages and the momentum buffer, e.g. ``jnp.float32``
+        for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
+        wider of this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(add_decayed_weights, scale_by_torch_rms,
-      trace, scale_by_learning_rate)``, each of the decay and ``trace`` only when its
-      coefficient is non-zero.
+      scale_by_torch_momentum, scale_by_learning_rate)``, each of the decay and the momentum
+      only when its coefficient is non-zero.
 
     Example:
       >>> import jax.numpy as jnp
@@ -150,11 +148,12 @@ def rmsprop(
     check_learning_rate(learning_rate)
     check_non_negative("weight_decay", weight_decay)
     check_in_range("momentum", momentum, 0.0, 1.0)
-    transforms = []
-    if static_nonzero(weight_decay):
-        transforms.append(optax.add_decayed_weights(as_weak(weight_decay)))
-    transforms.append(scale_by_torch_rms(alpha, eps, centered))
-    if static_nonzero(momentum):
-        transforms.append(optax.trace(decay=as_weak(momentum), nesterov=False))
-    transforms.append(scale_by_learning_rate(learning_rate))
-    return with_moment_dtype(optax.chain(*transforms), moment_dtype)
+    # torch's momentum buffer starts at 0 and adds g / avg: its first value is g / avg, as
+    # SGD's buffer (without dampening) starts at its first input, so SGD's transform is reused.
+    momentum_buffer = [scale_by_torch_momentum(momentum)] if static_nonzero(momentum) else []
+    return torch_chain(
+        [scale_by_torch_rms(alpha, eps, centered), *momentum_buffer],
+        learning_rate,
+        weight_decay,
+        moment_dtype,
+    )

@@ -14,13 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._adam import (
-    Schedule,
-    as_weak,
-    scale_by_learning_rate,
-    static_nonzero,
-    with_moment_dtype,
-)
+from rudax.optim._precision import as_weak, map_in_compute_dtype
+from rudax.optim._torch_chain import static_nonzero, torch_chain
 from rudax.optim._validation import (
     check_bool,
     check_in_range,
@@ -69,15 +64,12 @@ def scale_by_torch_momentum(
     ) -> tuple[Any, ScaleByTorchMomentumState]:
         del params
         first = state.count == 0
-        buffer = jax.tree.map(
-            lambda g, b: jnp.where(first, g, momentum * b + (1 - dampening) * g),
-            updates,
-            state.momentum_buffer,
-        )
-        if nesterov:
-            new_updates = jax.tree.map(lambda g, b: g + momentum * b, updates, buffer)
-        else:
-            new_updates = buffer
+
+        def leaf(g: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+            b = jnp.where(first, g, momentum * b + (1 - dampening) * g)
+            return (g + momentum * b if nesterov else b), b
+
+        new_updates, buffer = map_in_compute_dtype(leaf, updates, state.momentum_buffer)
         return new_updates, ScaleByTorchMomentumState(optax.safe_increment(state.count), buffer)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -95,7 +87,7 @@ def _check_momentum(momentum: Any, dampening: Any, nesterov: Any) -> None:
 
 
 def sgd(
-    learning_rate: float | Schedule,
+    learning_rate: optax.ScalarOrSchedule,
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
@@ -125,8 +117,9 @@ def sgd(
       dampening: the fraction of each later gradient not added to the buffer, in [0, 1].
       nesterov: Nesterov momentum; requires ``momentum > 0`` and ``dampening == 0``.
       weight_decay: L2 coefficient added to the gradient; >= 0.
-      moment_dtype: dtype of the momentum buffer and of the update arithmetic (None: each
-        parameter's own dtype). Updates are returned in the parameters' dtype.
+      moment_dtype: storage dtype of the momentum buffer, e.g. ``jnp.float32`` for bf16
+        parameters; None keeps each parameter's dtype. Each update is computed in the wider of
+        this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(add_decayed_weights,
@@ -154,10 +147,7 @@ def sgd(
     check_learning_rate(learning_rate)
     check_non_negative("weight_decay", weight_decay)
     _check_momentum(momentum, dampening, nesterov)
-    transforms = []
-    if static_nonzero(weight_decay):
-        transforms.append(optax.add_decayed_weights(as_weak(weight_decay)))
-    if static_nonzero(momentum):
-        transforms.append(scale_by_torch_momentum(momentum, dampening, nesterov))
-    transforms.append(scale_by_learning_rate(learning_rate))
-    return with_moment_dtype(optax.chain(*transforms), moment_dtype)
+    momentum_buffer = (
+        [scale_by_torch_momentum(momentum, dampening, nesterov)] if static_nonzero(momentum) else []
+    )
+    return torch_chain(momentum_buffer, learning_rate, weight_decay, moment_dtype)

@@ -61,7 +61,9 @@ def check_in_range(
     above = v >= low if low_inclusive else v > low
     below = v <= high if high_inclusive else v < high
     if not (math.isfinite(v) and above and below):
-        interval = ("[" if low_inclusive else "(") + f"{low}, {high}" + ("]" if high_inclusive else ")")
+        interval = (
+            ("[" if low_inclusive else "(") + f"{low}, {high}" + ("]" if high_inclusive else ")")
+        )
         raise ValueError(f"{name} must be in {interval}, got {name}={value!r}")
 
 
@@ -94,3 +96,22 @@ def check_float_dtype(name: str, dtype: Any) -> None:
         raise TypeError(f"{name} must be a floating dtype or None, got {name}={dtype!r}") from e
     if not jax.numpy.issubdtype(dt, jax.numpy.floating):
         raise TypeError(f"{name} must be a floating dtype or None, got {name}={dtype!r}")
+
+
+def check_floating_leaves(what: str, tree: Any) -> None:
+    """TypeError naming, by its path, the first leaf of tree without a floating dtype."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jax.numpy.result_type(leaf)
+        if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+            raise TypeError(
+                f"{what} {jax.tree_util.keystr(path)} must have a floating dtype, got dtype={dtype}"
+            )
+
+
+def check_transformation(name: str, value: Any) -> None:
+    """TypeError unless value looks like an optax transformation (init and update callables)."""
+    if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (with init and update), "
+            f"got {name}={value!r}"
+        )

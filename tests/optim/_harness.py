@@ -10,6 +10,10 @@ feeds the same fixed gradient sequence to the optax-style transformation and to 
 reference, and compares the parameter trajectories step by step, with and without jit, as a
 nested dict and as a ``flax.nnx.State``. With jit it also asserts that the second and later
 updates reuse the first compilation.
+
+``assert_bf16_update`` is the shared check of the moment-dtype rule (``rudax/optim/_precision.py``)
+on bf16 parameters; ``RUNS`` and ``halving`` are the run modes and the schedule the optimizer
+tests share.
 """
 
 from __future__ import annotations
@@ -20,9 +24,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 Reference = Callable[[np.ndarray, list[np.ndarray]], list[np.ndarray]]
+ExpectedUpdate = Callable[[dict, dict], dict]
+
+RUNS = [
+    pytest.param(True, "dict", id="jit-dict"),
+    pytest.param(False, "dict", id="eager-dict"),
+    pytest.param(True, "nnx_state", id="jit-nnx"),
+    pytest.param(False, "nnx_state", id="eager-nnx"),
+]
+
+
+def halving(count):
+    """0.1, halved every 2 updates; jnp only, so it runs under strict promotion."""
+    return 0.1 * 0.5 ** (count // 2).astype(jnp.float32)
+
+
+def rate(learning_rate, count: int) -> float:
+    """A reference's learning rate at the 0-based update count: ``halving``'s, or the number."""
+    return 0.1 * 0.5 ** (count // 2) if learning_rate is halving else learning_rate
+
 
 SHAPES = {
     "dense": {"kernel": (5, 3), "bias": (3,)},
@@ -31,16 +55,12 @@ SHAPES = {
 }
 
 
-def make_problem(
-    num_steps: int, *, seed: int = 0, shapes=SHAPES
-) -> tuple[dict, list[dict]]:
+def make_problem(num_steps: int, *, seed: int = 0, shapes=SHAPES) -> tuple[dict, list[dict]]:
     """Fixed fp32 parameters and a fixed sequence of gradients, as numpy pytrees."""
     rng = np.random.default_rng(seed)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     params = [rng.normal(size=s).astype(np.float32) for s in leaves]
-    grads = [
-        [rng.normal(size=s).astype(np.float32) for s in leaves] for _ in range(num_steps)
-    ]
+    grads = [[rng.normal(size=s).astype(np.float32) for s in leaves] for _ in range(num_steps)]
     return (
         jax.tree.unflatten(treedef, params),
         [jax.tree.unflatten(treedef, g) for g in grads],
@@ -112,3 +132,61 @@ def assert_matches_reference(
                 atol=atol,
                 err_msg=f"{jax.tree_util.keystr(path)} after update {step + 1}",
             )
+
+
+def first_update(reference: Reference) -> ExpectedUpdate:
+    """The first update a per-leaf numpy reference makes, as ``assert_bf16_update`` wants it."""
+    return lambda params, grads: jax.tree.map(lambda p, g: reference(p, [g])[0] - p, params, grads)
+
+
+def assert_bf16_update(
+    tx: optax.GradientTransformation,
+    expected_update: ExpectedUpdate,
+    *,
+    grad_dtype=jnp.bfloat16,
+    buffer_dtype,
+    num_buffers: int,
+    rtol: float = 2**-7,
+    leaf_atol: float = 0.0,
+    shapes=SHAPES,
+) -> None:
+    """Checks the moment-dtype rule on bf16 parameters over two jitted updates.
+
+    The state's floating leaves are ``num_buffers`` buffers, all in ``buffer_dtype``, before
+    and after; every update is bf16; the second update reuses the first compilation; the first
+    update equals ``expected_update(params, grads)`` (numpy pytrees of the exact fp32 values of
+    the inputs) rounded to bf16, within ``rtol`` and ``leaf_atol`` times the leaf's largest
+    expected magnitude.
+    """
+    params, grads = make_problem(2, shapes=shapes)
+    p = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
+    g1, g2 = (jax.tree.map(lambda x: jnp.asarray(x, grad_dtype), g) for g in grads)
+
+    def assert_buffers(state) -> None:
+        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        assert len(floats) == num_buffers, f"{len(floats)} floating buffers, not {num_buffers}"
+        assert all(x.dtype == buffer_dtype for x in floats), [x.dtype for x in floats]
+
+    state = tx.init(p)
+    assert_buffers(state)
+    update = jax.jit(tx.update)
+    updates, state = update(g1, state, p)
+
+    as_f32 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
+    want = jax.tree.leaves(expected_update(as_f32(p), as_f32(g1)))
+    paths_and_updates = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, u), w in zip(paths_and_updates, want, strict=True):
+        assert u.dtype == jnp.bfloat16, f"{jax.tree_util.keystr(path)}: {u.dtype}"
+        w = np.asarray(w).astype(jnp.bfloat16).astype(np.float32)
+        np.testing.assert_allclose(
+            np.asarray(u, np.float32),
+            w,
+            rtol=rtol,
+            atol=leaf_atol * float(np.max(np.abs(w))),
+            err_msg=jax.tree_util.keystr(path),
+        )
+
+    updates, state = update(g2, state, optax.apply_updates(p, updates))
+    assert update._cache_size() == 1, "the second update recompiled"
+    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
+    assert_buffers(state)

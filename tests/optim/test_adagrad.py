@@ -1,25 +1,19 @@
 """Tests of rudax.optim.adagrad against torch.optim.Adagrad's rule written plainly in numpy."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import rudax.optim as ro
-from tests.optim._harness import assert_matches_reference, make_problem
-
-RUNS = [
-    pytest.param(True, "dict", id="jit-dict"),
-    pytest.param(False, "dict", id="eager-dict"),
-    pytest.param(True, "nnx_state", id="jit-nnx"),
-    pytest.param(False, "nnx_state", id="eager-nnx"),
-]
-
-
-def halving(count):
-    """0.1, halved every 2 updates; jnp only, so it runs under strict promotion."""
-    return 0.1 * 0.5 ** (count // 2).astype(jnp.float32)
+from tests.optim._bad_input import rejects
+from tests.optim._harness import (
+    RUNS,
+    assert_bf16_update,
+    assert_matches_reference,
+    first_update,
+    halving,
+    rate,
+)
 
 
 def adagrad_reference(
@@ -32,7 +26,7 @@ def adagrad_reference(
         state_sum = np.full_like(p, initial_accumulator_value)
         out = []
         for step, g in enumerate(grads, start=1):
-            lr = 0.1 * 0.5 ** ((step - 1) // 2) if learning_rate is halving else learning_rate
+            lr = rate(learning_rate, step - 1)
             g = g.astype(np.float64) + weight_decay * p
             clr = lr / (1 + (step - 1) * lr_decay)
             state_sum = state_sum + g * g
@@ -69,40 +63,19 @@ def test_eps_is_outside_the_root():
 
 
 def test_bf16_params_keep_fp32_moments():
-    params, grads = make_problem(2)
-    to_bf16 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), tree)
-    p, g1, g2 = to_bf16(params), to_bf16(grads[0]), to_bf16(grads[1])
     config = dict(learning_rate=0.1, weight_decay=0.3, initial_accumulator_value=0.2)
-    tx = ro.adagrad(**config, moment_dtype=jnp.float32)
-    update = jax.jit(tx.update)
-    state = tx.init(p)
-    updates, state = update(g1, state, p)
-
-    reference = adagrad_reference(**config)
-    for u, p0, g in zip(
-        jax.tree.leaves(updates), jax.tree.leaves(p), jax.tree.leaves(g1), strict=True
-    ):
-        assert u.dtype == jnp.bfloat16
-        p32, g32 = np.asarray(p0, np.float32), np.asarray(g, np.float32)
-        want = (reference(p32, [g32])[0] - p32).astype(jnp.bfloat16).astype(np.float32)
-        # One rounding to bf16 at the end: at most one bf16 ulp (2**-7 relative) apart.
-        np.testing.assert_allclose(np.asarray(u, np.float32), want, rtol=2**-7, atol=0)
-
-    updates, state = update(g2, state, optax.apply_updates(p, updates))
-    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
-    sums = jax.tree.leaves(state[1].sum)
-    assert sums and all(x.dtype == jnp.float32 for x in sums)
+    # One rounding to bf16 at the end: at most one bf16 ulp (2**-7 relative) apart.
+    assert_bf16_update(
+        ro.adagrad(**config, moment_dtype=jnp.float32),
+        first_update(adagrad_reference(**config)),
+        buffer_dtype=jnp.float32,
+        num_buffers=4,
+        rtol=2**-7,
+    )
 
 
-def test_bf16_params_without_moment_dtype():
-    p = {"w": jnp.ones((3,), jnp.bfloat16)}
-    tx = ro.adagrad(0.1, lr_decay=0.1, weight_decay=0.1)
-    updates, state = jax.jit(tx.update)({"w": jnp.ones((3,), jnp.bfloat16)}, tx.init(p), p)
-    assert updates["w"].dtype == state[1].sum["w"].dtype == jnp.bfloat16
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
+test_bad_hyperparameters = rejects(
+    ro.adagrad,
     [
         (dict(learning_rate=-0.1), ValueError, r"learning_rate=-0\.1"),
         (dict(learning_rate=0.1, lr_decay=-1.0), ValueError, r"lr_decay=-1\.0"),
@@ -117,6 +90,3 @@ def test_bf16_params_without_moment_dtype():
         (dict(learning_rate=0.1, moment_dtype=jnp.int32), TypeError, "moment_dtype"),
     ],
 )
-def test_bad_hyperparameters(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        ro.adagrad(**kwargs)

@@ -9,23 +9,17 @@ import optax
 import pytest
 
 import rudax.optim as ro
-from tests.optim._harness import assert_matches_reference, make_problem, run_optimizer
-
-RUNS = [
-    pytest.param(True, "dict", id="jit-dict"),
-    pytest.param(False, "dict", id="eager-dict"),
-    pytest.param(True, "nnx_state", id="jit-nnx"),
-    pytest.param(False, "nnx_state", id="eager-nnx"),
-]
-
-
-def halving(count):
-    """0.1, halved every 2 updates; jnp only, so it runs under strict promotion."""
-    return 0.1 * 0.5 ** (count // 2).astype(jnp.float32)
-
-
-def rate(learning_rate, count: int) -> float:
-    return 0.1 * 0.5 ** (count // 2) if learning_rate is halving else learning_rate
+from tests.optim._bad_input import rejects
+from tests.optim._harness import (
+    RUNS,
+    assert_bf16_update,
+    assert_matches_reference,
+    first_update,
+    halving,
+    make_problem,
+    rate,
+    run_optimizer,
+)
 
 
 def adam_reference(
@@ -187,30 +181,16 @@ def test_count_saturates_instead_of_overflowing():
 
 @pytest.mark.parametrize("factory", [ro.adam, ro.adamw])
 def test_bf16_params_keep_fp32_moments(factory):
-    params, grads = make_problem(2)
-    to_bf16 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), tree)
-    p, g1, g2 = to_bf16(params), to_bf16(grads[0]), to_bf16(grads[1])
-    tx = factory(0.1, b2=0.9, weight_decay=0.3, amsgrad=True, moment_dtype=jnp.float32)
-    update = jax.jit(tx.update)
-    state = tx.init(p)
-    updates, state = update(g1, state, p)
-
-    reference = adam_reference(
-        0.1, b2=0.9, weight_decay=0.3, amsgrad=True, decoupled=factory is ro.adamw
+    config = dict(learning_rate=0.1, b2=0.9, weight_decay=0.3, amsgrad=True)
+    # One rounding to bf16 at the end: at most one bf16 ulp (2**-7 relative) apart. The
+    # buffers: exp_avg, exp_avg_sq and max_exp_avg_sq of each of the four leaves.
+    assert_bf16_update(
+        factory(**config, moment_dtype=jnp.float32),
+        first_update(adam_reference(**config, decoupled=factory is ro.adamw)),
+        buffer_dtype=jnp.float32,
+        num_buffers=3 * 4,
+        rtol=2**-7,
     )
-    for u, p0, g in zip(
-        jax.tree.leaves(updates), jax.tree.leaves(p), jax.tree.leaves(g1), strict=True
-    ):
-        assert u.dtype == jnp.bfloat16
-        p32, g32 = np.asarray(p0, np.float32), np.asarray(g, np.float32)
-        want = (reference(p32, [g32])[0] - p32).astype(jnp.bfloat16).astype(np.float32)
-        # One rounding to bf16 at the end: at most one bf16 ulp (2**-7 relative) apart.
-        np.testing.assert_allclose(np.asarray(u, np.float32), want, rtol=2**-7, atol=0)
-
-    updates, state = update(g2, state, optax.apply_updates(p, updates))
-    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
-    moments = jax.tree.leaves(state[0 if factory is ro.adamw else 1][1:])
-    assert moments and all(x.dtype == jnp.float32 for x in moments)
 
 
 def test_bf16_params_without_moment_dtype_keep_bf16_moments():
@@ -234,9 +214,8 @@ def test_moment_dtype_rejects_integer_parameters_naming_the_path():
         ro.adam(0.1, moment_dtype=jnp.float32).init(params)
 
 
-@pytest.mark.parametrize("factory", [ro.adam, ro.adamw])
-@pytest.mark.parametrize(
-    "kwargs, error, match",
+test_bad_hyperparameters = rejects(
+    [ro.adam, ro.adamw],
     [
         (dict(learning_rate=-0.1), ValueError, r"learning_rate=-0\.1"),
         (dict(learning_rate="0.1"), TypeError, "learning_rate"),
@@ -251,6 +230,3 @@ def test_moment_dtype_rejects_integer_parameters_naming_the_path():
         (dict(learning_rate=0.1, moment_dtype="fp32"), TypeError, "moment_dtype"),
     ],
 )
-def test_bad_hyperparameters(factory, kwargs, error, match):
-    with pytest.raises(error, match=match):
-        factory(**kwargs)

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import rudax.optim as ro
+from tests.optim._bad_input import rejects
 from tests.optim._harness import assert_matches_reference, make_problem, run_optimizer
 
 
@@ -107,18 +108,8 @@ def test_bf16_params_keep_fp32_moments():
     np.testing.assert_allclose(state[0].m["w"], m, rtol=1e-6)
 
 
-def test_fp32_gradients_give_updates_in_bf16_param_dtype():
-    # As an fp32 accumulator or an unscaling wrapper hands them over: no implicit promotion.
-    params = {"w": jnp.ones((2, 3), jnp.bfloat16)}
-    grads = {"w": jnp.full((2, 3), 0.5, jnp.float32)}
-    tx = ro.adan(0.01, weight_decay=0.1)
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-    assert updates["w"].dtype == jnp.bfloat16
-    assert optax.apply_updates(params, updates)["w"].dtype == jnp.bfloat16
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+test_bad_hyperparameters = rejects(
+    ro.adan,
     [
         ({"learning_rate": -1e-3}, ValueError, "learning_rate=-0.001"),
         ({"learning_rate": "1e-3"}, TypeError, "learning_rate"),
@@ -130,11 +121,8 @@ def test_fp32_gradients_give_updates_in_bf16_param_dtype():
         ({"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
         ({"moment_dtype": jnp.int32}, TypeError, "moment_dtype"),
     ],
+    learning_rate=1e-3,
 )
-def test_bad_hyperparameters(kwargs, error, match):
-    kwargs = {"learning_rate": 1e-3, **kwargs}
-    with pytest.raises(error, match=match):
-        ro.adan(**kwargs)
 
 
 def test_weight_decay_needs_params():

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import rudax.optim as ro
+from tests.optim._bad_input import rejects
 from tests.optim._harness import as_tree_kind, make_problem, run_optimizer
 
 # ----------------------------------------------------------------------------------------------
@@ -332,12 +333,35 @@ def test_fp32_history_for_bf16_params():
     assert int(state[0].num_pairs) == 1
 
 
+def test_fp32_gradients_with_bf16_memory():
+    """The moment-dtype rule: memory in the parameters' bf16, arithmetic in fp32, bf16 updates."""
+    tx = ro.lbfgs(0.5, line_search=None)
+    x0 = jnp.array([1.0, -2.0, 3.0], jnp.bfloat16)
+    grads = [jnp.array([0.3, -0.7, 1.1]), jnp.array([1.3, 0.2, -0.4])]
+    state = tx.init(x0)
+    step = jax.jit(tx.update)
+    update0, state = step(grads[0], state, x0)
+    update1, state = step(grads[1], state, optax.apply_updates(x0, update0))
+    assert step._cache_size() == 1
+    assert update0.dtype == update1.dtype == jnp.bfloat16
+    memory = (state[0].prev_params, state[0].prev_grads, state[0].s_history, state[0].y_history)
+    assert all(m.dtype == jnp.bfloat16 for m in memory)
+    # The first update is the fp32 one, rounded once to bf16: within one bf16 ulp.
+    x32 = x0.astype(jnp.float32)
+    want, _ = tx.update(grads[0], tx.init(x32), x32)
+    np.testing.assert_allclose(
+        np.asarray(update0, np.float32),
+        np.asarray(want.astype(jnp.bfloat16), np.float32),
+        rtol=2**-7,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # (6) Bad input.
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
+test_bad_hyperparameters = rejects(
+    ro.lbfgs,
     [
         ({"learning_rate": -1.0}, ValueError, "learning_rate=-1.0"),
         ({"history_size": 0}, ValueError, "history_size=0"),
@@ -354,9 +378,6 @@ def test_fp32_history_for_bf16_params():
         ({"history_dtype": jnp.int32}, TypeError, "history_dtype"),
     ],
 )
-def test_bad_hyperparameters(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        ro.lbfgs(**kwargs)
 
 
 def test_bad_line_search_hyperparameters():

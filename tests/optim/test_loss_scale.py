@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import rudax.optim as ro
+from tests.optim._bad_input import rejects
 from tests.optim._harness import assert_matches_reference
 
 RUNS = [
@@ -394,8 +395,8 @@ def test_extra_args_reach_the_inner_transformation():
 # --- bad input ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, name",
+test_dynamic_loss_scale_bad_input = rejects(
+    ro.dynamic_loss_scale,
     [
         (dict(init_scale=0.0), ValueError, "init_scale"),
         (dict(init_scale=-1.0), ValueError, "init_scale"),
@@ -417,13 +418,9 @@ def test_extra_args_reach_the_inner_transformation():
         (dict(min_scale=math.nan), ValueError, "min_scale"),
         (dict(init_scale=4.0, min_scale=8.0), ValueError, "min_scale"),
     ],
+    inner=optax.sgd(0.1),
 )
-def test_dynamic_loss_scale_bad_input(kwargs, error, name):
-    with pytest.raises(error, match=name):
-        ro.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
-
-@pytest.mark.parametrize("factory", [ro.dynamic_loss_scale, ro.skip_nonfinite])
-def test_inner_must_be_a_transformation(factory):
-    with pytest.raises(TypeError, match="inner"):
-        factory(optax.sgd)
+test_inner_must_be_a_transformation = rejects(
+    [ro.dynamic_loss_scale, ro.skip_nonfinite], [(dict(inner=optax.sgd), TypeError, "inner")]
+)

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import rudax.optim as ro
+from tests.optim._bad_input import rejects
 from tests.optim._harness import as_tree_kind, assert_matches_reference
 
 RUNS = [
@@ -310,16 +311,23 @@ def test_unsupported_leaf_dtype_names_the_path(leaf, dtype_text):
         tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
 
 
-@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
-def test_bad_gradient_scale(value):
-    with pytest.raises(ValueError, match="gradient_scale"):
-        ro.fp32_master(optax.sgd(0.1), gradient_scale=value)
+test_bad_gradient_scale = rejects(
+    ro.fp32_master,
+    [
+        (dict(gradient_scale=value), ValueError, "gradient_scale")
+        for value in (0.0, -1.0, float("nan"), float("inf"))
+    ],
+    inner=optax.sgd(0.1),
+)
 
-
-@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])
-def test_bad_clip_per_parameter(value):
-    with pytest.raises(ValueError, match="clip_per_parameter"):
-        ro.fp32_master(optax.sgd(0.1), clip_per_parameter=value)
+test_bad_clip_per_parameter = rejects(
+    ro.fp32_master,
+    [
+        (dict(clip_per_parameter=value), ValueError, "clip_per_parameter")
+        for value in (0.0, -0.5, float("nan"), float("inf"))
+    ],
+    inner=optax.sgd(0.1),
+)
 
 
 def test_bad_types():

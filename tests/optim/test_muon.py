@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import rudax.optim as ro
+from tests.optim._bad_input import rejects
 from tests.optim._harness import assert_matches_reference
 
 # The harness's leaves plus a wide matrix, so both Newton-Schulz orientations run.
@@ -200,19 +201,8 @@ def test_bf16_params_keep_fp32_moments():
     np.testing.assert_allclose(muon_buf, want, rtol=1e-6)
 
 
-def test_fp32_gradients_give_updates_in_bf16_param_dtype():
-    # As an fp32 accumulator or an unscaling wrapper hands them over: no implicit promotion.
-    params = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
-    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, jnp.float32), params)
-    tx = ro.muon(0.02)
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
-    new = optax.apply_updates(params, updates)
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(new))
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+test_bad_hyperparameters = rejects(
+    ro.muon,
     [
         ({"learning_rate": -0.02}, ValueError, "learning_rate=-0.02"),
         ({"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
@@ -236,11 +226,8 @@ def test_fp32_gradients_give_updates_in_bf16_param_dtype():
         ({"ns_dtype": jnp.int8}, TypeError, "ns_dtype"),
         ({"moment_dtype": jnp.int32}, TypeError, "moment_dtype"),
     ],
+    learning_rate=0.02,
 )
-def test_bad_hyperparameters(kwargs, error, match):
-    kwargs = {"learning_rate": 0.02, **kwargs}
-    with pytest.raises(error, match=match):
-        ro.muon(**kwargs)
 
 
 PARAMS = {"dense": {"kernel": jnp.ones((5, 3)), "bias": jnp.ones(3)}, "conv": jnp.ones((2, 3, 4))}

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import rudax.optim as ro
+from tests.optim._bad_input import rejects
 
 
 def step_reference(n: int, init_value: float, step_size: int, gamma: float) -> float:
@@ -137,64 +138,34 @@ STEP = dict(init_value=1.0, step_size=10, gamma=0.5)
 COSINE = dict(peak_value=1.0, warmup_steps=1, decay_steps=10)
 
 
-@pytest.mark.parametrize(
-    "factory, kwargs, error, match",
+test_bad_step_schedule_arguments = rejects(
+    ro.step_schedule,
     [
-        (ro.step_schedule, {**STEP, "step_size": 0}, ValueError, "step_size=0"),
-        (ro.step_schedule, {**STEP, "step_size": -3}, ValueError, "step_size=-3"),
-        (ro.step_schedule, {**STEP, "step_size": 2.5}, TypeError, "step_size=2.5"),
-        (ro.step_schedule, {**STEP, "step_size": True}, TypeError, "step_size=True"),
-        (ro.step_schedule, {**STEP, "gamma": 0.0}, ValueError, "gamma=0.0"),
-        (ro.step_schedule, {**STEP, "gamma": -0.5}, ValueError, "gamma=-0.5"),
-        (ro.step_schedule, {**STEP, "gamma": math.inf}, ValueError, "gamma=inf"),
-        (ro.step_schedule, {**STEP, "init_value": math.nan}, ValueError, "init_value=nan"),
-        (ro.step_schedule, {**STEP, "init_value": "1e-3"}, TypeError, "init_value='1e-3'"),
-        (ro.warmup_cosine_schedule, {**COSINE, "warmup_steps": -1}, ValueError, "warmup_steps=-1"),
-        (ro.warmup_cosine_schedule, {**COSINE, "warmup_steps": 1.0}, TypeError, "warmup_steps=1.0"),
-        (
-            ro.warmup_cosine_schedule,
-            {**COSINE, "warmup_steps": 10, "decay_steps": 10},
-            ValueError,
-            "decay_steps=10, warmup_steps=10",
-        ),
-        (
-            ro.warmup_cosine_schedule,
-            {**COSINE, "warmup_steps": 10, "decay_steps": 5},
-            ValueError,
-            "decay_steps=5, warmup_steps=10",
-        ),
-        (
-            ro.warmup_cosine_schedule,
-            {**COSINE, "warmup_steps": 0, "decay_steps": 0},
-            ValueError,
-            "decay_steps=0",
-        ),
-        (
-            ro.warmup_cosine_schedule,
-            {**COSINE, "decay_steps": 2**31},
-            ValueError,
-            "decay_steps=2147483648",
-        ),
-        (
-            ro.warmup_cosine_schedule,
-            {**COSINE, "peak_value": math.inf},
-            ValueError,
-            "peak_value=inf",
-        ),
-        (
-            ro.warmup_cosine_schedule,
-            {**COSINE, "init_value": math.nan},
-            ValueError,
-            "init_value=nan",
-        ),
-        (
-            ro.warmup_cosine_schedule,
-            {**COSINE, "end_value": -math.inf},
-            ValueError,
-            "end_value=-inf",
-        ),
+        ({"step_size": 0}, ValueError, "step_size=0"),
+        ({"step_size": -3}, ValueError, "step_size=-3"),
+        ({"step_size": 2.5}, TypeError, "step_size=2.5"),
+        ({"step_size": True}, TypeError, "step_size=True"),
+        ({"gamma": 0.0}, ValueError, "gamma=0.0"),
+        ({"gamma": -0.5}, ValueError, "gamma=-0.5"),
+        ({"gamma": math.inf}, ValueError, "gamma=inf"),
+        ({"init_value": math.nan}, ValueError, "init_value=nan"),
+        ({"init_value": "1e-3"}, TypeError, "init_value='1e-3'"),
     ],
+    **STEP,
 )
-def test_bad_arguments_raise_naming_argument_and_value(factory, kwargs, error, match):
-    with pytest.raises(error, match=match):
-        factory(**kwargs)
+
+test_bad_warmup_cosine_arguments = rejects(
+    ro.warmup_cosine_schedule,
+    [
+        ({"warmup_steps": -1}, ValueError, "warmup_steps=-1"),
+        ({"warmup_steps": 1.0}, TypeError, "warmup_steps=1.0"),
+        ({"warmup_steps": 10, "decay_steps": 10}, ValueError, "decay_steps=10, warmup_steps=10"),
+        ({"warmup_steps": 10, "decay_steps": 5}, ValueError, "decay_steps=5, warmup_steps=10"),
+        ({"warmup_steps": 0, "decay_steps": 0}, ValueError, "decay_steps=0"),
+        ({"decay_steps": 2**31}, ValueError, "decay_steps=2147483648"),
+        ({"peak_value": math.inf}, ValueError, "peak_value=inf"),
+        ({"init_value": math.nan}, ValueError, "init_value=nan"),
+        ({"end_value": -math.inf}, ValueError, "end_value=-inf"),
+    ],
+    **COSINE,
+)

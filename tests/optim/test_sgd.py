@@ -9,19 +9,17 @@ import optax
 import pytest
 
 import rudax.optim as ro
-from tests.optim._harness import assert_matches_reference, make_problem, run_optimizer
-
-RUNS = [
-    pytest.param(True, "dict", id="jit-dict"),
-    pytest.param(False, "dict", id="eager-dict"),
-    pytest.param(True, "nnx_state", id="jit-nnx"),
-    pytest.param(False, "nnx_state", id="eager-nnx"),
-]
-
-
-def halving(count):
-    """0.1, halved every 2 updates; jnp only, so it runs under strict promotion."""
-    return 0.1 * 0.5 ** (count // 2).astype(jnp.float32)
+from tests.optim._bad_input import rejects
+from tests.optim._harness import (
+    RUNS,
+    assert_bf16_update,
+    assert_matches_reference,
+    first_update,
+    halving,
+    make_problem,
+    rate,
+    run_optimizer,
+)
 
 
 def sgd_reference(learning_rate, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0):
@@ -32,7 +30,7 @@ def sgd_reference(learning_rate, momentum=0.0, dampening=0.0, nesterov=False, we
         buf = None
         out = []
         for count, g in enumerate(grads):
-            lr = 0.1 * 0.5 ** (count // 2) if learning_rate is halving else learning_rate
+            lr = rate(learning_rate, count)
             g = g.astype(np.float64) + weight_decay * p
             if momentum != 0:
                 buf = g.copy() if buf is None else momentum * buf + (1 - dampening) * g
@@ -83,36 +81,15 @@ def test_no_buffer_without_momentum():
 
 
 def test_bf16_params_keep_fp32_moments():
-    params, grads = make_problem(2)
-    to_bf16 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), tree)
-    p, g1, g2 = to_bf16(params), to_bf16(grads[0]), to_bf16(grads[1])
     config = dict(learning_rate=0.1, momentum=0.9, dampening=0.2, weight_decay=0.3)
-    tx = ro.sgd(**config, moment_dtype=jnp.float32)
-    update = jax.jit(tx.update)
-    state = tx.init(p)
-    updates, state = update(g1, state, p)
-
-    reference = sgd_reference(**config)
-    for u, p0, g in zip(
-        jax.tree.leaves(updates), jax.tree.leaves(p), jax.tree.leaves(g1), strict=True
-    ):
-        assert u.dtype == jnp.bfloat16
-        p32, g32 = np.asarray(p0, np.float32), np.asarray(g, np.float32)
-        want = (reference(p32, [g32])[0] - p32).astype(jnp.bfloat16).astype(np.float32)
-        # One rounding to bf16 at the end: at most one bf16 ulp (2**-7 relative) apart.
-        np.testing.assert_allclose(np.asarray(u, np.float32), want, rtol=2**-7, atol=0)
-
-    updates, state = update(g2, state, optax.apply_updates(p, updates))
-    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
-    buffers = jax.tree.leaves(state[1].momentum_buffer)
-    assert buffers and all(x.dtype == jnp.float32 for x in buffers)
-
-
-def test_bf16_params_without_moment_dtype():
-    p = {"w": jnp.ones((3,), jnp.bfloat16)}
-    tx = ro.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1)
-    updates, state = jax.jit(tx.update)({"w": jnp.ones((3,), jnp.bfloat16)}, tx.init(p), p)
-    assert updates["w"].dtype == state[1].momentum_buffer["w"].dtype == jnp.bfloat16
+    # One rounding to bf16 at the end: at most one bf16 ulp (2**-7 relative) apart.
+    assert_bf16_update(
+        ro.sgd(**config, moment_dtype=jnp.float32),
+        first_update(sgd_reference(**config)),
+        buffer_dtype=jnp.float32,
+        num_buffers=4,
+        rtol=2**-7,
+    )
 
 
 def test_matches_optax_sgd_without_dampening():
@@ -124,8 +101,8 @@ def test_matches_optax_sgd_without_dampening():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
+test_bad_hyperparameters = rejects(
+    ro.sgd,
     [
         (dict(learning_rate=-0.1), ValueError, r"learning_rate=-0\.1"),
         (dict(learning_rate=None), TypeError, "learning_rate"),
@@ -144,6 +121,3 @@ def test_matches_optax_sgd_without_dampening():
         (dict(learning_rate=0.1, moment_dtype=jnp.int8), TypeError, "moment_dtype"),
     ],
 )
-def test_bad_hyperparameters(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        ro.sgd(**kwargs)

@@ -1,0 +1,139 @@
+"""The dtype rule every rudax optimizer follows: buffers stored narrow, arithmetic done wide.
+
+An optimizer's ``moment_dtype`` argument sets where its buffers (moments, momentum, sums of
+squares, Adan's previous gradient) are stored; None keeps each parameter's own dtype. Then,
+leaf by leaf:
+
+* the update is computed in the wider of the gradient's dtype and the buffer dtype, so fp32
+  gradients (unscaled by ``dynamic_loss_scale``, summed by ``GradientAccumulator``) meeting
+  bf16 parameters lose nothing, and no expression mixes dtypes under strict promotion;
+* new buffer values are rounded once, back to the buffer dtype;
+* the update is returned in the parameter's dtype (the gradient's when ``params`` is None), so
+  ``optax.apply_updates`` needs no implicit cast.
+
+``with_moment_dtype`` applies the rule around a whole chain (the buffer dtype at init, the
+weight decay and learning rate in the compute dtype, the updates' dtype at the end);
+``map_in_compute_dtype`` applies it inside a transform to its buffers. Hyperparameters enter
+the arithmetic through ``as_weak`` as Python floats, which JAX types weakly: ``b1 * m`` keeps
+``m``'s dtype where a NumPy or JAX float32 scalar would promote it, or fail under strict
+promotion.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rudax.optim._validation import check_float_dtype, check_floating_leaves
+
+
+def as_weak(value: Any) -> Any:
+    """A concrete scalar as a Python float; a schedule, a tracer or a bool as it is.
+
+    A tracer (a hyperparameter ``optax.inject_hyperparams`` passes inside ``jit``) keeps its
+    type: it is only known when the update runs.
+    """
+    if isinstance(value, bool | jax.core.Tracer) or callable(value):
+        return value
+    if isinstance(value, numbers.Real) or (
+        isinstance(value, np.ndarray | jax.Array) and np.ndim(value) == 0
+    ):
+        return float(value)
+    return value
+
+
+def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    """``optax.scale_by_learning_rate`` with a number made weakly typed (see ``as_weak``).
+
+    A schedule's value is cast to each update's dtype by optax itself.
+    """
+    return optax.scale_by_learning_rate(as_weak(learning_rate))
+
+
+def compute_dtype(*dtypes: Any) -> jnp.dtype:
+    """The widest of floating dtypes: float32 for bfloat16 with float16 or float32.
+
+    Asked under standard promotion on purpose: strict promotion rightly refuses to guess a
+    common dtype, but here the wider one is the stated rule.
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.dtype(jnp.result_type(*dtypes))
+
+
+def map_in_compute_dtype(fn: Callable[..., tuple], updates: Any, *buffers: Any) -> tuple:
+    """Runs a transform's per-leaf arithmetic under the rule; returns (updates, *buffers).
+
+    For each leaf, ``fn(g, *b)`` gets the gradient and the buffers (trees like ``updates``)
+    cast to the widest of their dtypes and returns ``(u, *new_b)``; each new buffer is cast
+    back to its stored dtype, ``u`` stays in the compute dtype (``with_moment_dtype`` casts it
+    to the parameter's dtype once, after the learning rate).
+    """
+    treedef = jax.tree.structure(updates)
+
+    def leaf(g: Any, *stored: jax.Array) -> tuple:
+        g = jnp.asarray(g)
+        dtype = compute_dtype(g.dtype, *(b.dtype for b in stored))
+        u, *new = fn(g.astype(dtype), *(b.astype(dtype) for b in stored))
+        return u, *(n.astype(b.dtype) for n, b in zip(new, stored, strict=True))
+
+    columns = [treedef.flatten_up_to(tree) for tree in (updates, *buffers)]
+    rows = [leaf(*xs) for xs in zip(*columns, strict=True)]
+    return tuple(treedef.unflatten([row[i] for row in rows]) for i in range(1 + len(buffers)))
+
+
+def with_moment_dtype(
+    inner: optax.GradientTransformation, moment_dtype: Any
+) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner`` with its buffers in ``moment_dtype`` and its arithmetic in the wider dtype.
+
+    ``inner.init`` sees the parameters cast to ``moment_dtype`` (as they are when it is None),
+    so every buffer it allocates like them has the buffer dtype. ``inner.update`` sees each
+    gradient and parameter cast to the compute dtype, the wider of the gradient's dtype and the
+    buffer dtype, so weight decay and the learning rate run in it too; the updates it returns
+    are cast to each parameter's dtype (the gradient's when ``params`` is None). Transforms in
+    ``inner`` that keep buffers compute with ``map_in_compute_dtype``.
+
+    Args:
+      inner: the transformation to run.
+      moment_dtype: a floating dtype, or None for each parameter's own dtype.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with ``inner``'s state; extra keyword
+      arguments go to ``inner``. A parameter or gradient leaf without a floating dtype is a
+      TypeError naming its path.
+    """
+    check_float_dtype("moment_dtype", moment_dtype)
+    stored = None if moment_dtype is None else jnp.dtype(moment_dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> Any:
+        check_floating_leaves("parameter", params)
+        if stored is not None:
+            params = jax.tree.map(lambda p: jnp.asarray(p).astype(stored), params)
+        return inner.init(params)
+
+    def update_fn(
+        updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        check_floating_leaves("gradient", updates)
+        if params is not None:
+            check_floating_leaves("parameter", params)
+        out_dtypes = jax.tree.map(jnp.result_type, updates if params is None else params)
+        dtypes = jax.tree.map(
+            lambda g, out: compute_dtype(jnp.result_type(g), out if stored is None else stored),
+            updates,
+            out_dtypes,
+        )
+        cast = lambda tree: jax.tree.map(lambda x, d: jnp.asarray(x).astype(d), tree, dtypes)
+        new_updates, state = inner.update(
+            cast(updates), state, None if params is None else cast(params), **extra_args
+        )
+        return jax.tree.map(lambda u, d: u.astype(d), new_updates, out_dtypes), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
