@@ -1,3 +1,35 @@
-"""rudax.kernels: not yet built; its public names arrive with their issue (see README's roadmap)."""
+"""rudax.kernels: Pallas kernels for the memory-bound parts of training, with exact XLA paths.
 
-__all__: list[str] = []
+Every op takes ``impl="auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``, and
+an ``interpret`` flag that runs its Pallas kernel on any backend (for tests). Each op's
+``*_reference`` is the pure-jnp definition it is tested against.
+"""
+
+# Public names, re-exported one per line (``from rudax.kernels._x import a as a``), each in its
+# block below, and listed again, sorted, in __all__. The blocks are in module order, the order
+# ruff's import sorting keeps.
+
+# [block: adamw]
+
+# [block: norms]
+from rudax.kernels._layer_norm import layer_norm as layer_norm
+from rudax.kernels._layer_norm import layer_norm_reference as layer_norm_reference
+from rudax.kernels._rms_norm import rms_norm as rms_norm
+from rudax.kernels._rms_norm import rms_norm_reference as rms_norm_reference
+from rudax.kernels._rowwise import RowBlock as RowBlock
+
+# [block: silu_mul]
+from rudax.kernels._silu_mul import SiluMulBlock as SiluMulBlock
+from rudax.kernels._silu_mul import silu_mul as silu_mul
+from rudax.kernels._silu_mul import silu_mul_reference as silu_mul_reference
+
+__all__: list[str] = [
+    "RowBlock",
+    "SiluMulBlock",
+    "layer_norm",
+    "layer_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "silu_mul",
+    "silu_mul_reference",
+]

@@ -1,0 +1,207 @@
+"""The one place where rudax.kernels meets JAX versions and backends.
+
+Every kernel module asks this file which implementation to run (``resolve_impl``), how to
+call ``pallas_call`` for the GPU (``pallas_call``, ``gpu_compiler_params``) and how to read
+and write a masked block (``load``, ``store``); tests ask it what a GPU export contains
+(``GPU_CUSTOM_CALL_TARGET``, ``EXPORT_DISABLED_CHECKS``). No other kernel file imports a
+backend-specific Pallas module.
+
+Why the Triton lowering. rudax's GPU kernels are memory-bound row kernels (a row reduction
+followed by an elementwise pass, or a pure elementwise pass) over arbitrary feature sizes.
+
+* Pallas's Triton lowering lowers them for any power-of-two block with masked loads and
+  stores, so a feature size such as 100 or 4095 is read in place, padding masked, no padded
+  copy made. It is what JAX's own ``pallas/ops/gpu`` norms used. JAX 0.11's Pallas changelog
+  deprecates it: "will be removed in a future version of JAX. To keep using Pallas on GPU,
+  please migrate to the Mosaic GPU backend. To keep using Triton, switch to the official
+  Triton bindings and jax_triton." Deprecated is not removed: 0.11 still ships it, and it is
+  the lowering of the two that takes these kernels today. (Checked here by lowering for CUDA
+  on a CPU host, jax 0.10.2; not yet run on a GPU by rudax.)
+* Mosaic GPU, the lowering ``pallas_call`` picks without compiler params, does not lower them
+  here (jax 0.10.2): a row reduction of a 2-D block fails with "No support for axes yet", and
+  its TMA copies need every global-memory stride but the last to be a multiple of 16 bytes,
+  so a bf16 row of 100 features cannot be read without a padded copy. Using ``pallas_call``
+  for Mosaic GPU is itself deprecated in favour of ``plgpu.kernel``.
+
+So rudax asks for Triton explicitly (Triton ``CompilerParams``, which also overrides the
+``jax_pallas_use_mosaic_gpu`` flag). When a JAX release drops ``jax.experimental.pallas.triton``,
+``gpu_lowering_available()`` turns False here and only here: ``impl="auto"`` then runs the exact
+XLA path and ``impl="pallas"`` says why it cannot; a Mosaic GPU port would slot in behind the
+same functions. Deprecation warnings from the Triton module are silenced here, on purpose and
+only here, because the choice above is deliberate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import jax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        from jax.experimental.pallas import triton as _triton
+    except ImportError:  # a JAX release without the Triton backend
+        _triton = None
+
+IMPLS = ("auto", "pallas", "xla")
+
+# The custom call a Pallas Triton kernel becomes in exported StableHLO. jax.export refuses
+# custom calls without a stability guarantee unless told, hence EXPORT_DISABLED_CHECKS.
+GPU_CUSTOM_CALL_TARGET = "__gpu$xla.gpu.triton"
+EXPORT_DISABLED_CHECKS: tuple[jax.export.DisabledSafetyCheck, ...] = (
+    jax.export.DisabledSafetyCheck.custom_call(GPU_CUSTOM_CALL_TARGET),
+)
+
+
+# Set by assume_gpu_backend: the backend resolve_impl plans for, when it is not the default.
+_ASSUMED_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "rudax_kernels_assumed_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def assume_gpu_backend() -> Iterator[None]:
+    """Within it, ``resolve_impl`` plans for a GPU whatever the default backend is.
+
+    For ``jax.export(..., platforms=["cuda"])`` from a host without a GPU: the kernels are
+    lowered for the GPU they will run on, not for the CPU that traces them. Each op resolves
+    its ``impl`` in Python before entering its jitted body, so no trace cached under this
+    context is reused outside it.
+    """
+    token = _ASSUMED_BACKEND.set("gpu")
+    try:
+        yield
+    finally:
+        _ASSUMED_BACKEND.reset(token)
+
+
+def _backend() -> str:
+    return _ASSUMED_BACKEND.get() or jax.default_backend()
+
+
+def gpu_lowering_available() -> bool:
+    """True when this JAX can lower rudax's Pallas kernels for the GPU (Triton)."""
+    return _triton is not None
+
+
+def resolve_impl(impl: str, *, interpret: bool = False) -> Literal["pallas", "xla"]:
+    """Turns a kernel's ``impl`` argument into the path that runs.
+
+    ``"auto"`` is Pallas on a GPU backend whose GPU lowering is available, XLA elsewhere;
+    ``"pallas"`` is Pallas (compiled on a GPU, interpreted anywhere with ``interpret=True``);
+    ``"xla"`` is the pure-jnp path. Call it in Python, outside the op's ``jax.jit``, so the
+    answer is not frozen into a cached trace (see ``assume_gpu_backend``).
+
+    Args:
+      impl: ``"auto"``, ``"pallas"`` or ``"xla"``.
+      interpret: whether the caller runs Pallas in interpret mode.
+
+    Returns:
+      ``"pallas"`` or ``"xla"``. A ValueError for any other ``impl``, or for ``"pallas"``
+      that cannot run here (not a GPU and not interpreted, or no GPU lowering in this JAX).
+
+    Example:
+      >>> resolve_impl("xla")
+      'xla'
+      >>> resolve_impl("pallas", interpret=True)
+      'pallas'
+    """
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret=}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
+    on_gpu = _backend() == "gpu"
+    if impl == "auto":
+        return "pallas" if on_gpu and gpu_lowering_available() else "xla"
+    if impl == "xla" or interpret:
+        return impl
+    if not on_gpu:
+        raise ValueError(
+            f"impl='pallas' compiles for a GPU, but the default backend is "
+            f"{_backend()!r}: pass interpret=True to interpret the kernel, or "
+            f"impl='xla' (or 'auto') for the XLA path"
+        )
+    if not gpu_lowering_available():
+        raise ValueError(
+            f"impl='pallas' needs Pallas's Triton lowering, which jax {jax.__version__} does "
+            f"not ship: pass impl='xla' (or 'auto')"
+        )
+    return "pallas"
+
+
+def gpu_compiler_params(*, num_warps: int = 4, num_stages: int = 1) -> Any:
+    """The ``compiler_params`` for rudax's GPU lowering (Triton).
+
+    ``num_stages=1``: rudax's row kernels have no loop for Triton to software-pipeline, so
+    more stages would only reserve shared memory.
+
+    Returns None when this JAX has no Triton backend (only interpret mode can run then).
+    """
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    if num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps=}")
+    if _triton is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_call(
+    kernel: Callable[..., None],
+    *,
+    out_shape: Any,
+    grid: tuple[int, ...],
+    in_specs: Any = pl.no_block_spec,
+    out_specs: Any = pl.no_block_spec,
+    interpret: bool,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    name: str | None = None,
+) -> Callable[..., Any]:
+    """``pl.pallas_call`` with rudax's GPU lowering chosen (see the module docstring).
+
+    Without ``in_specs``/``out_specs`` every kernel sees whole arrays and indexes them itself.
+    """
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        name=name,
+        compiler_params=gpu_compiler_params(num_warps=num_warps, num_stages=num_stages),
+    )
+
+
+def load(ref: Any, *, mask: jax.Array | None = None, other: Any = None) -> jax.Array:
+    """Reads a block, positions where ``mask`` is False read as ``other``.
+
+    The Triton lowering computes addresses from the full array's strides and does not clip a
+    block at the array's edge: a read past the last column lands in the next row, so every
+    block that may overhang the array must be read (and written) under a mask.
+    """
+    if _triton is not None:
+        return _triton.load(ref, mask=mask, other=other)
+    # Interpret mode without the Triton module: read the whole block and select.
+    x = ref[...]
+    if mask is None or other is None:
+        return x
+    return jax.numpy.where(mask, x, other)
+
+
+def store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
+    """Writes a block, positions where ``mask`` is False left untouched (see ``load``)."""
+    if _triton is not None:
+        _triton.store(ref, value, mask=mask)
+        return
+    ref[...] = value if mask is None else jax.numpy.where(mask, value, ref[...])
