@@ -10,6 +10,15 @@ an ``interpret`` flag that runs its Pallas kernel on any backend (for tests). Ea
 # ruff's import sorting keeps.
 
 # [block: adamw]
+# isort: split
+from rudax.kernels._adamw import AdamWBlock as AdamWBlock
+from rudax.kernels._adamw import adamw_update as adamw_update
+from rudax.kernels._adamw import adamw_update_reference as adamw_update_reference
+from rudax.kernels._global_norm import GlobalNormBlock as GlobalNormBlock
+from rudax.kernels._global_norm import global_norm_and_finite as global_norm_and_finite
+from rudax.kernels._global_norm import (
+    global_norm_and_finite_reference as global_norm_and_finite_reference,
+)
 
 # [block: norms]
 from rudax.kernels._layer_norm import layer_norm as layer_norm
@@ -24,8 +33,14 @@ from rudax.kernels._silu_mul import silu_mul as silu_mul
 from rudax.kernels._silu_mul import silu_mul_reference as silu_mul_reference
 
 __all__: list[str] = [
+    "AdamWBlock",
+    "GlobalNormBlock",
     "RowBlock",
     "SiluMulBlock",
+    "adamw_update",
+    "adamw_update_reference",
+    "global_norm_and_finite",
+    "global_norm_and_finite_reference",
     "layer_norm",
     "layer_norm_reference",
     "rms_norm",

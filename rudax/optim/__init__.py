@@ -15,6 +15,8 @@ from rudax.optim._adan import scale_by_adan as scale_by_adan
 from rudax.optim._clipping import ClipByGlobalNormState as ClipByGlobalNormState
 from rudax.optim._clipping import clip_by_global_norm as clip_by_global_norm
 from rudax.optim._clipping import clip_per_parameter as clip_per_parameter
+from rudax.optim._fused_adamw import FusedAdamWState as FusedAdamWState
+from rudax.optim._fused_adamw import fused_adamw as fused_adamw
 from rudax.optim._lbfgs import ScaleByLBFGSState as ScaleByLBFGSState
 from rudax.optim._lbfgs import lbfgs as lbfgs
 from rudax.optim._lbfgs import scale_by_lbfgs as scale_by_lbfgs
@@ -46,6 +48,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "DynamicLossScaleState",
     "Fp32MasterState",
+    "FusedAdamWState",
     "GradientAccumulator",
     "ScaleByLBFGSState",
     "SkipNonfiniteState",
@@ -61,6 +64,7 @@ __all__ = [
     "dynamic_loss_scale",
     "exponential_decay",
     "fp32_master",
+    "fused_adamw",
     "join_schedules",
     "lbfgs",
     "linear_schedule",

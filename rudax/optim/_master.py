@@ -18,12 +18,14 @@ master is set to the value ``apply_updates`` will store, ``round(p + u)``: that 
 rounded to storage precision (an error below one storage ulp of the step), and the stored
 parameters equal the rounded master on every step.
 
-Every rounding to the storage dtype goes through ``_round_to``, built from
+Every rounding to the storage dtype goes through ``round_to``, built from
 ``lax.reduce_precision``, instead of a float32 -> bf16 -> float32 cast pair: XLA's GPU backend
 may delete such a pair (openxla/xla#41605, "excess precision"), which would let the value the
 caller adds differ from the one checked here. ``reduce_precision`` exists so that it cannot be.
 XLA on CPU flushes float32 subnormals (bf16 values below 2**-126) to zero; the invariant held
 in that range in our tests too, but arithmetic there is not IEEE, so it is not guaranteed.
+``round_to`` and the per-leaf ``storage_update`` live in ``rudax/kernels/_rounding.py``, shared
+with the fused AdamW kernel (kernels cannot import rudax.optim).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
+from rudax.kernels._rounding import storage_update
 from rudax.optim._clipping import clip_leaf_by_norm
 from rudax.optim._validation import check_positive, check_transformation
 
@@ -58,43 +60,6 @@ def _check_storage_dtypes(params: Any) -> None:
                 "leaves (integer buffers, keys) out of the optimized tree, e.g. with "
                 "nnx.state(model, nnx.Param) or optax.masked."
             )
-
-
-def _round_to(x: jax.Array, dtype: Any) -> jax.Array:
-    """Rounds float32 ``x`` to the nearest ``dtype`` value, kept as float32 (ties to even)."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32:
-        return x
-    info = jnp.finfo(dtype)
-    rounded = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    if info.minexp > jnp.finfo(jnp.float32).minexp:
-        # reduce_precision flushes the target's subnormals to zero; fp16's subnormals are
-        # float32 normals on a fixed grid, so round them there (the scaling is exact).
-        ulp = 2.0 ** (info.minexp - info.nmant)
-        subnormal = jnp.round(x * (1.0 / ulp)) * ulp
-        rounded = jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, rounded)
-    return rounded
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(x, jnp.uint32)
-
-
-def _storage_update(
-    master: jax.Array, param: jax.Array, update: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Returns (update in param's dtype, new master) for one leaf; see the module docstring."""
-    m = master + update.astype(jnp.float32)
-    p = param.astype(jnp.float32)
-    t = _round_to(m, param.dtype)
-    # -(p - t) is t - p, except -0.0 rather than +0.0 when t == p: -0.0 is IEEE's exact
-    # additive identity, so an unchanged parameter keeps its bits (-0.0 + 0.0 is +0.0).
-    u = _round_to(-(p - t), param.dtype)
-    # What apply_updates will store: round(p + u) in param's dtype. Rounding the float32 sum
-    # again gives the correctly rounded bf16 or fp16 sum: float32's 24 bits are >= 2 * 11 + 2.
-    stored = _round_to(p + u, param.dtype)
-    hits_target = _bits(stored) == _bits(t)
-    return u.astype(param.dtype), jnp.where(hits_target, m, stored)
 
 
 def fp32_master(
@@ -182,7 +147,7 @@ def fp32_master(
         )
         param_leaves, treedef = jax.tree.flatten(params)
         pairs = [
-            _storage_update(w, jnp.asarray(p), d)
+            storage_update(w, jnp.asarray(p), d)
             for w, p, d in zip(
                 treedef.flatten_up_to(state.master),
                 param_leaves,

@@ -1,0 +1,263 @@
+"""Fused AdamW: clipping, the non-finite skip, fp32 masters and AdamW in two passes.
+
+``fused_adamw`` computes what ``skip_nonfinite(fp32_master(chain(clip_by_global_norm,
+adamw)))`` computes, but as two reads of the gradients instead of one per transform: the
+global norm and the finite check together (``rudax.kernels.global_norm_and_finite``), then one
+pass per parameter array over parameter, gradient, moments and master
+(``rudax.kernels.adamw_update``). The kernels and the reasons for this layout are described in
+``rudax/kernels/_adamw.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import rudax.kernels as rk
+from rudax.kernels import _compat
+from rudax.optim._clipping import _coefficient
+from rudax.optim._nonfinite import update_unless_skipped
+from rudax.optim._precision import as_weak
+from rudax.optim._validation import (
+    check_bool,
+    check_float_dtype,
+    check_floating_leaves,
+    check_in_range,
+    check_learning_rate,
+    check_non_negative,
+    check_positive,
+)
+
+_STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+class FusedAdamWState(NamedTuple):
+    """State of ``fused_adamw``; a skipped update changes only the last three fields."""
+
+    count: jax.Array  # shape=(), int32: applied updates (not skipped ones), saturating
+    exp_avg: Any  # like params: first moment m, float32 (param dtype if master_dtype is None)
+    exp_avg_sq: Any  # like params: second moment v, likewise
+    master: Any  # like params: float32 copy of each bf16/fp16 leaf, None for the others
+    global_norm: jax.Array  # shape=(), float32: pre-clip global L2 norm of the last gradients
+    skipped: jax.Array  # shape=(), bool: True if the last update was skipped
+    num_skipped: jax.Array  # shape=(), int32: updates skipped since init
+
+
+def _check_params(params: Any) -> None:
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(p)
+        if dtype not in _STORAGE_DTYPES:
+            raise TypeError(
+                f"fused_adamw: parameter {jax.tree_util.keystr(path)} has dtype={dtype}; "
+                "supported storage dtypes are bfloat16, float16 and float32. Leave other "
+                "leaves (integer buffers, keys) out of the optimized tree, e.g. with "
+                "nnx.state(model, nnx.Param) or optax.masked."
+            )
+
+
+def _check_shapes(grads: Any, params: Any) -> None:
+    paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    treedef = jax.tree.structure(params)
+    for (path, p), g in zip(paths_and_params, treedef.flatten_up_to(grads), strict=True):
+        if jnp.shape(g) != jnp.shape(p):
+            raise ValueError(
+                f"fused_adamw: gradient {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(g)}, its parameter {jnp.shape(p)}"
+            )
+
+
+def fused_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = True,
+    master_dtype: Any = jnp.float32,
+    hierarchical_stats: bool = False,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping, a non-finite skip and fp32 masters, fused.
+
+    With ``t`` the 1-based count of applied updates, ``lr_t`` the learning rate at update
+    ``t - 1``, ``w`` each parameter's weight (its fp32 master for a bf16 or fp16 parameter, the
+    parameter itself for fp32) and all arithmetic in fp32::
+
+        norm = sqrt(sum over all gradient elements of g**2)
+        if skip_nonfinite and any gradient element is inf or NaN:
+            updates = -0.0; state unchanged but for global_norm, skipped, num_skipped
+        else:
+            g = g * min(max_grad_norm / (norm + 1e-6), 1)     (if max_grad_norm is given)
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g**2
+            w = w - lr_t * ((m / (1 - b1**t)) / (sqrt(v) / sqrt(1 - b2**t) + eps)
+                            + weight_decay * w)
+
+    This is ``skip_nonfinite(fp32_master(chain(clip_by_global_norm(max_grad_norm),
+    adamw(...))))`` from rudax.optim (torch's ``clip_grad_norm_`` and ``AdamW`` rules and
+    defaults; ``optax.adamw``'s default ``weight_decay`` is 1e-4 and optax's clipping omits the
+    1e-6), equal to fp32 rounding (a compiler may contract a multiply and an add into one FMA).
+    For a bf16 or fp16 parameter the update makes ``optax.apply_updates(params, updates)``
+    store exactly the master rounded to the parameter's dtype, bit for bit (the scheme of
+    ``rudax.optim.fp32_master``). An fp32 parameter needs no master: it is its own, and its
+    update is ``fp32_master``-free AdamW's. torch's ``AdamW(fused=True)`` fuses the step but
+    leaves clipping (a separate ``clip_grad_norm_``) and skipping (``GradScaler``) outside.
+
+    The gradients are read twice: once for the global norm and the finite check together
+    (``rudax.kernels.global_norm_and_finite``), once by the per-array update kernel
+    (``rudax.kernels.adamw_update``) with the moments and masters.
+
+    Args:
+      learning_rate: a number >= 0, or a schedule of the count of applied updates (0 at the
+        first update; a skipped update does not advance it).
+      b1: decay of the first moment, in [0, 1) (torch's ``betas[0]``).
+      b2: decay of the second moment, in [0, 1) (torch's ``betas[1]``).
+      eps: added to the bias-corrected root of the second moment; >= 0.
+      weight_decay: decoupled decay coefficient, multiplied by the learning rate; >= 0.
+      max_grad_norm: clip the gradients to this global L2 norm with torch's rule; finite and
+        > 0, or None for no clipping.
+      skip_nonfinite: skip the whole update when any gradient element is inf or NaN. If
+        False, non-finite gradients flow into the moments and parameters, as in torch.
+      master_dtype: ``jnp.float32``: fp32 masters for bf16 and fp16 parameters, fp32 moments
+        for all. None: no masters, the moments stored in each parameter's dtype (still
+        computed in fp32; ``rudax.optim.adamw`` would compute in bf16 for bf16 gradients).
+      hierarchical_stats: compute the global norm and finite check as a two-level reduction
+        with a bounded partial buffer (see ``rudax.kernels.global_norm_and_finite``).
+      impl: ``"auto"`` (the Pallas kernels on a GPU, XLA elsewhere), ``"pallas"`` or
+        ``"xla"``.
+      interpret: run the Pallas kernels in interpret mode, on any backend (for tests).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a ``FusedAdamWState``. ``update``
+      requires ``params``; updates come in each parameter's dtype. Every parameter leaf must
+      be bf16, fp16 or fp32 (a TypeError naming its path otherwise) and every gradient of its
+      parameter's shape (a ValueError naming its path).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import rudax.optim as ro
+      >>> params = {"w": jnp.array([1.0, -2.0], jnp.bfloat16)}
+      >>> tx = ro.fused_adamw(0.1, weight_decay=0.5, max_grad_norm=1.0)
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.array([3.0, jnp.inf], jnp.bfloat16)}
+      >>> updates, state = tx.update(grads, state, params)  # skipped: state unchanged
+      >>> bool(state.skipped), int(state.count)
+      (True, 0)
+      >>> updates, state = tx.update({"w": jnp.array([3.0, 4.0], jnp.bfloat16)}, state, params)
+      >>> optax.apply_updates(params, updates)["w"].tolist(), float(state.global_norm)
+      ([0.8515625, -2.0], 5.0)
+
+    References:
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019; Micikevicius et al., `Mixed Precision
+      Training <https://arxiv.org/abs/1710.03740>`_, 2018; PyTorch, ``torch.optim.AdamW``
+      and ``torch.nn.utils.clip_grad_norm_``.
+    """
+    check_learning_rate(learning_rate)
+    check_in_range("b1", b1, 0.0, 1.0)
+    check_in_range("b2", b2, 0.0, 1.0)
+    check_non_negative("eps", eps)
+    check_non_negative("weight_decay", weight_decay)
+    if max_grad_norm is not None:
+        check_positive("max_grad_norm", max_grad_norm)
+    check_bool("skip_nonfinite", skip_nonfinite)
+    check_float_dtype("master_dtype", master_dtype)
+    if master_dtype is not None and jnp.dtype(master_dtype) != jnp.float32:
+        raise ValueError(f"master_dtype must be jnp.float32 or None, got {master_dtype=}")
+    check_bool("hierarchical_stats", hierarchical_stats)
+    if impl not in _compat.IMPLS:
+        raise ValueError(f"impl must be one of {_compat.IMPLS}, got {impl=}")
+    check_bool("interpret", interpret)
+    b1, b2, eps, weight_decay = (as_weak(x) for x in (b1, b2, eps, weight_decay))
+    with_masters = master_dtype is not None
+
+    def needs_master(p: jax.Array) -> bool:
+        return with_masters and jnp.result_type(p) != jnp.float32
+
+    def init_fn(params: Any) -> FusedAdamWState:
+        _check_params(params)
+        moment_dtype = (lambda p: jnp.float32) if with_masters else jnp.result_type
+        zeros = lambda: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), moment_dtype(p)), params)
+        # A copy: a master that aliased its parameter would make donating (params, state) to
+        # a jitted step donate one buffer twice.
+        master = jax.tree.map(
+            lambda p: jnp.array(p, dtype=jnp.float32, copy=True) if needs_master(p) else None,
+            params,
+        )
+        return FusedAdamWState(
+            count=jnp.zeros((), jnp.int32),
+            exp_avg=zeros(),
+            exp_avg_sq=zeros(),
+            master=master,
+            global_norm=jnp.zeros((), jnp.float32),
+            skipped=jnp.zeros((), jnp.bool_),
+            num_skipped=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(
+        updates: Any, state: FusedAdamWState, params: Any = None
+    ) -> tuple[Any, FusedAdamWState]:
+        if params is None:
+            raise ValueError("fused_adamw: update needs params (the stored parameters)")
+        _check_params(params)
+        check_floating_leaves("fused_adamw: gradient", updates)
+        _check_shapes(updates, params)
+        param_leaves, treedef = jax.tree.flatten(params)
+        leaves = lambda tree: treedef.flatten_up_to(tree)
+        grads = [jnp.asarray(g) for g in leaves(updates)]
+
+        norm, finite = rk.global_norm_and_finite(
+            grads, hierarchical=hierarchical_stats, impl=impl, interpret=interpret
+        )
+        coefficient = None if max_grad_norm is None else _coefficient(norm, max_grad_norm)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        count = optax.safe_increment(state.count)
+
+        def apply_fn(grads: list, buffers: tuple) -> tuple[list, tuple]:
+            outs = [
+                rk.adamw_update(
+                    jnp.asarray(p),
+                    g,
+                    m,
+                    v,
+                    w,
+                    count=count,
+                    learning_rate=lr,
+                    b1=b1,
+                    b2=b2,
+                    eps=eps,
+                    weight_decay=weight_decay,
+                    grad_scale=coefficient,
+                    impl=impl,
+                    interpret=interpret,
+                )
+                for p, g, m, v, w in zip(param_leaves, grads, *buffers[1:], strict=True)
+            ]
+            return [o[0] for o in outs], (count, *([o[i] for o in outs] for i in (1, 2, 3)))
+
+        buffers = (state.count, *(leaves(t) for t in (state.exp_avg, state.exp_avg_sq)))
+        buffers += (leaves(state.master),)
+        if skip_nonfinite:
+            new_updates, buffers = update_unless_skipped(finite, apply_fn, grads, buffers)
+            skipped = jnp.logical_not(finite)
+        else:
+            new_updates, buffers = apply_fn(grads, buffers)
+            skipped = jnp.zeros((), jnp.bool_)
+        new_count, exp_avg, exp_avg_sq, master = buffers
+        return treedef.unflatten(new_updates), FusedAdamWState(
+            count=new_count,
+            exp_avg=treedef.unflatten(exp_avg),
+            exp_avg_sq=treedef.unflatten(exp_avg_sq),
+            master=treedef.unflatten(master),
+            global_norm=norm,
+            skipped=skipped,
+            num_skipped=state.num_skipped + skipped.astype(jnp.int32),
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
