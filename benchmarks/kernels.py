@@ -1,0 +1,158 @@
+"""Kernel benchmark: rudax.kernels' paths against XLA and a device copy, in one run.
+
+For each op the arms are alternated round by round with a copy of the op's main tensor on
+the same device, so every time is reported next to the bandwidth this device reached in the
+same minute:
+
+- rms_norm and layer_norm, forward + backward, on (rows, features) bf16 (default 8192 x 4096);
+- silu_mul, forward + backward, on the same shape;
+- fused AdamW (`rudax.optim.fused_adamw`, clipping included) at 125M fp32 parameters, against
+  the unfused `chain(clip_by_global_norm, adamw)` it equals.
+
+On CPU only the XLA paths run (Pallas runs on CPU only in interpret mode, which measures
+Python, not a kernel). On GPU the Pallas paths run against their XLA fallbacks.
+
+    python -m benchmarks.kernels                     # full sizes
+    python -m benchmarks.kernels --rows 1024 --features 1024 --adamw-params 4000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import rudax.kernels as rk
+import rudax.optim as ro
+from benchmarks._timing import alternate, ratio_summary
+
+
+def copy_arm(n: int, dtype) -> callable:
+    """An in-place x + 1 over n elements: reads and writes each once."""
+    buf = {"x": jnp.zeros((n,), dtype)}
+    step = jax.jit(lambda x: x + jnp.ones((), dtype), donate_argnums=0)
+
+    def run():
+        buf["x"] = step(buf["x"])
+        return buf["x"]
+
+    return run
+
+
+def norm_arms(op: str, impls: list[str], x, scale, bias) -> dict:
+    def fwd_bwd(impl):
+        def f(x, scale, dy):
+            if op == "rms_norm":
+                fn = lambda x, s: rk.rms_norm(x, s, epsilon=1e-6, impl=impl)
+                y, vjp = jax.vjp(fn, x, scale)
+            elif op == "layer_norm":
+                fn = lambda x, s, b: rk.layer_norm(x, s, b, epsilon=1e-5, impl=impl)
+                y, vjp = jax.vjp(fn, x, scale, bias)
+            else:
+                y, vjp = jax.vjp(lambda g, u: rk.silu_mul(g, u, impl=impl), x, scale)
+            return y, vjp(dy)
+
+        step = jax.jit(f)
+        dy = jnp.ones_like(x)
+        return lambda: step(x, scale, dy)
+
+    return {f"{op} {impl}": fwd_bwd(impl) for impl in impls}
+
+
+def adamw_arms(impls: list[str], n_params: int) -> dict:
+    d = 4096
+    params = {"w": jnp.zeros((n_params // d, d), jnp.float32), "b": jnp.zeros((n_params % d + 1,))}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    txs = {"adamw unfused chain": optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3))}
+    for impl in impls:
+        txs[f"fused_adamw {impl}"] = ro.fused_adamw(1e-3, max_grad_norm=1.0, impl=impl)
+
+    def make(tx):
+        holder = {"p": jax.tree.map(jnp.copy, params)}
+        holder["s"] = tx.init(holder["p"])
+
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        step = jax.jit(step, donate_argnums=(0, 1))
+
+        def run():
+            holder["p"], holder["s"] = step(holder["p"], holder["s"], grads)
+            return holder["p"]
+
+        return run
+
+    return {name: make(tx) for name, tx in txs.items()}
+
+
+def report(title: str, times: dict, bytes_per_call: dict, baseline: str, rows: list) -> None:
+    copy_name = next(n for n in times if n.startswith("copy"))
+    print(f"\n{title}")
+    print(f"{'arm':<28} {'ms':>9} {'GB/s':>7} {'/copy':>6} {'speed vs ' + baseline:>26}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        gbs = bytes_per_call[name] / med / 1e9
+        frac, _, _ = ratio_summary(
+            [bytes_per_call[name] / t for t in ts], [bytes_per_call[copy_name] / t for t in times[copy_name]]
+        )
+        r, lo, hi = ratio_summary(times[baseline], ts)
+        speed = "" if name.startswith("copy") else f"{r:.3f}x [{lo:.3f}, {hi:.3f}]"
+        print(f"{name:<28} {med * 1e3:>9.3f} {gbs:>7.1f} {frac:>6.2f} {speed:>26}")
+        rows.append(dict(group=title, arm=name, ms=med * 1e3, gbps=gbs, copy_fraction=frac,
+                         speed_vs_baseline=None if name.startswith("copy") else [r, lo, hi]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--features", type=int, default=4096)
+    parser.add_argument("--adamw-params", type=int, default=125_000_000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--json", help="also write the table rows to this file")
+    args = parser.parse_args()
+
+    on_gpu = jax.default_backend() == "gpu"
+    impls = ["xla", "pallas"] if on_gpu else ["xla"]
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}: {jax.devices()[0]}; "
+          f"{args.rounds} alternating rounds x {args.iters} calls per arm")
+    rows: list = []
+
+    key = jax.random.key(0)
+    shape = (args.rows, args.features)
+    n = args.rows * args.features
+    x = jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+    scale = jnp.ones((args.features,), jnp.bfloat16)
+    bias = jnp.zeros((args.features,), jnp.bfloat16)
+    # Minimum traffic in bf16 elements: forward reads x, writes y; backward reads x and dy,
+    # writes dx (the affine parameters are negligible). silu_mul: 2 in + 1 out, 3 in + 2 out.
+    for op, elems in (("rms_norm", 5), ("layer_norm", 5), ("silu_mul", 8)):
+        second = x if op == "silu_mul" else scale
+        arms = norm_arms(op, impls, x, second, bias)
+        arms["copy (x + 1, in place)"] = copy_arm(n, jnp.bfloat16)
+        bytes_per_call = {name: elems * 2 * n for name in arms}
+        bytes_per_call["copy (x + 1, in place)"] = 2 * 2 * n
+        times = alternate(arms, rounds=args.rounds, iters=args.iters)
+        report(f"{op} fwd+bwd {shape} bf16", times, bytes_per_call, f"{op} xla", rows)
+
+    arms = adamw_arms(impls, args.adamw_params)
+    arms["copy (x + 1, in place)"] = copy_arm(args.adamw_params, jnp.float32)
+    # AdamW reads p, g, m, v and writes p, m, v; the norm needs one more read of g.
+    bytes_per_call = {name: 32 * args.adamw_params for name in arms}
+    bytes_per_call["copy (x + 1, in place)"] = 8 * args.adamw_params
+    times = alternate(arms, rounds=args.rounds, iters=max(1, args.iters // 2))
+    report(f"AdamW step, {args.adamw_params:,} fp32 params, clip 1.0", times, bytes_per_call,
+           "adamw unfused chain", rows)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
