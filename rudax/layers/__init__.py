@@ -1,3 +1,33 @@
-"""rudax.layers: not yet built; its public names arrive with their issue (see README's roadmap)."""
+"""rudax.layers: flax.nnx Modules whose storage and compute dtypes are chosen separately.
 
-__all__: list[str] = []
+Every layer casts explicitly (it runs under strict dtype promotion), takes a compute ``dtype``
+(None: the input's dtype) apart from its parameters' ``param_dtype``, and uses rudax.kernels'
+fused ops for its memory-bound parts (norms, SwiGLU). ``to_dtype`` converts a model's
+parameter storage while keeping tied variables tied and frozen ones frozen.
+"""
+
+# Public names, re-exported one per line (``from rudax.layers._x import a as a``), sorted as
+# isort sorts them, and listed again in __all__.
+from rudax.layers._dropout import Dropout as Dropout
+from rudax.layers._dtype import to_dtype as to_dtype
+from rudax.layers._embedding import Embedding as Embedding
+from rudax.layers._embedding import TiedProjection as TiedProjection
+from rudax.layers._linear import Linear as Linear
+from rudax.layers._lora import Frozen as Frozen
+from rudax.layers._lora import LoRALinear as LoRALinear
+from rudax.layers._mlp import GatedMLP as GatedMLP
+from rudax.layers._norms import LayerNorm as LayerNorm
+from rudax.layers._norms import RMSNorm as RMSNorm
+
+__all__ = [
+    "Dropout",
+    "Embedding",
+    "Frozen",
+    "GatedMLP",
+    "LayerNorm",
+    "Linear",
+    "LoRALinear",
+    "RMSNorm",
+    "TiedProjection",
+    "to_dtype",
+]

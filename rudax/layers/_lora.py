@@ -1,0 +1,149 @@
+"""LoRA: a frozen Linear plus a trainable low-rank update, scale * dropout(x) @ A @ B."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rudax.layers._dropout import Dropout
+from rudax.layers._linear import Linear
+from rudax.layers._validation import (
+    check_features,
+    check_positive,
+    check_positive_int,
+    check_rate,
+    float_dtype,
+)
+
+_SCALE_RULES = ("alpha/rank", "alpha/sqrt(rank)")
+
+# peft's A init, torch's kaiming_uniform_(a=sqrt(5)): U(±sqrt(3 * (1/3) / in)) = U(±1/sqrt(in)).
+_DEFAULT_A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+class Frozen(nnx.Variable):
+    """A parameter that is not trained: a ``Variable`` but not an ``nnx.Param``.
+
+    Filters that select ``nnx.Param`` (``nnx.state(model, nnx.Param)``, ``nnx.grad``'s and
+    ``nnx.Optimizer``'s default ``wrt``) skip it; ``rudax.layers.to_dtype`` converts it.
+    ``LoRALinear`` re-tags its base's parameters with it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import rudax.layers as rl
+      >>> model = nnx.Dict(w=nnx.Param(jnp.ones(2)), base=rl.Frozen(jnp.ones(2)))
+      >>> list(nnx.state(model, nnx.Param).keys())
+      ['w']
+    """
+
+
+def _freeze(module: nnx.Module) -> None:
+    """Re-tags every ``nnx.Param`` attribute of module as ``Frozen``, in place, without copies.
+
+    A variable the base shares with another module is replaced in the base only, so such a
+    tie is broken; freeze tied weights by hand if both uses should stay one variable.
+    """
+    for name, value in list(vars(module).items()):
+        if isinstance(value, nnx.Param):
+            setattr(module, name, Frozen.from_metadata(value.get_raw_value(), value.get_metadata()))
+
+
+class LoRALinear(nnx.Module):
+    """A frozen ``Linear`` plus a trainable low-rank adapter: ``y = base(x) + s * d(x) @ A @ B``.
+
+    With ``c`` the compute dtype (``dtype``, or ``x.dtype`` when it is None) and ``d`` dropout
+    on the adapter's input only::
+
+        y = c(base(x)) + ((c(d(x)) @ c(A)) * s) @ c(B)
+        s = alpha / rank               (scale_rule="alpha/rank", LoRA and peft's default)
+        s = alpha / sqrt(rank)         (scale_rule="alpha/sqrt(rank)", rsLoRA)
+
+    ``A`` is ``[in, rank]``, drawn from U(±1/sqrt(in)) as peft does (torch's ``kaiming_uniform_``
+    with ``a=sqrt(5)``, flax's ``he_uniform`` differs); ``B`` is ``[rank, out]`` and zero, so a
+    fresh adapter leaves the base's output unchanged.
+
+    The base is frozen in place: its ``nnx.Param`` variables (kernel, bias) are re-tagged as
+    ``rudax.layers.Frozen`` (same arrays, no copy), so ``nnx.Param`` selects only A and B (and
+    the other trainable parameters of a model)::
+
+        graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)   # A, B only
+        grads = nnx.grad(loss_fn)(model)       # wrt=nnx.Param by default: no base gradients
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    Args:
+      base: the ``rudax.layers.Linear`` to adapt; modified in place as above.
+      rank: the adapter's rank, > 0.
+      alpha: the scale's numerator, > 0.
+      dropout: dropout rate on the adapter's input, in [0, 1); ``train()``/``eval()`` and the
+        call's ``deterministic`` switch it as for ``Dropout``.
+      scale_rule: ``"alpha/rank"`` or ``"alpha/sqrt(rank)"``.
+      dtype: compute and output dtype; None for the input's dtype.
+      param_dtype: storage dtype of A and B (independent of the base's).
+      a_init: initializer of A, shape ``[in, rank]``.
+      rngs: an ``nnx.Rngs``; its ``params`` stream draws A, its ``dropout`` stream (or
+        ``default``) the dropout masks when ``dropout > 0``.
+
+    Returns:
+      A module; calling it on ``x[..., in]`` returns ``y[..., out]`` in the compute dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import rudax.layers as rl
+      >>> lora = rl.LoRALinear(rl.Linear(8, 4, rngs=nnx.Rngs(0)), 2, alpha=4.0, rngs=nnx.Rngs(1))
+      >>> sorted(nnx.state(lora, nnx.Param).keys()), type(lora.base.kernel).__name__
+      (['lora_a', 'lora_b'], 'Frozen')
+      >>> lora(jnp.ones((3, 8))).shape
+      (3, 4)
+
+    References:
+      Hu et al., `LoRA: Low-Rank Adaptation of Large Language Models
+      <https://arxiv.org/abs/2106.09685>`_, 2021. Kalajdzievski, `A Rank Stabilization Scaling
+      Factor for Fine-Tuning with LoRA <https://arxiv.org/abs/2312.03732>`_, 2023.
+    """
+
+    def __init__(
+        self,
+        base: Linear,
+        rank: int,
+        *,
+        alpha: float,
+        dropout: float = 0.0,
+        scale_rule: str = "alpha/rank",
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        a_init: nnx.Initializer = _DEFAULT_A_INIT,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(base, Linear):
+            raise TypeError(f"base must be a rudax.layers.Linear, got {base=}")
+        check_positive_int("rank", rank)
+        alpha = check_positive("alpha", alpha)
+        dropout = check_rate("dropout", dropout)
+        if scale_rule not in _SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {_SCALE_RULES}, got {scale_rule=}")
+        self.dtype = float_dtype("dtype", dtype)
+        param_dtype = float_dtype("param_dtype", param_dtype, allow_none=False)
+        self.rank = rank
+        self.scale = alpha / rank if scale_rule == "alpha/rank" else alpha / math.sqrt(rank)
+        _freeze(base)
+        self.base = base
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.lora_a = nnx.Param(a_init(rngs.params(), (base.in_features, rank), param_dtype))
+        self.lora_b = nnx.Param(jnp.zeros((rank, base.out_features), param_dtype))
+        self.dropout = Dropout(dropout, rngs=rngs if dropout > 0.0 else None)
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
+        x = jnp.asarray(x)
+        check_features("LoRALinear", x, self.in_features)
+        dtype = x.dtype if self.dtype is None else self.dtype
+        h = self.dropout(x, deterministic=deterministic).astype(dtype)
+        # Scaling the rank-sized intermediate costs rank, not out, multiplies per row.
+        low_rank = (h @ self.lora_a[...].astype(dtype)) * self.scale
+        return self.base(x).astype(dtype) + low_rank @ self.lora_b[...].astype(dtype)
