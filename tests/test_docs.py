@@ -25,13 +25,13 @@ def test_docstring_examples(name):
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
 
 
-def test_public_names_are_documented():
-    import rudax.optim as ro
-
-    assert ro.__all__, "rudax.optim.__all__ is empty"
-    for name in ro.__all__:
-        obj = getattr(ro, name)
-        assert (obj.__doc__ or "").strip(), f"rudax.optim.{name} has no docstring"
+@pytest.mark.parametrize("package", ["rudax.optim", "rudax.layers", "rudax.kernels"])
+def test_public_names_are_documented(package):
+    module = importlib.import_module(package)
+    assert module.__all__, f"{package}.__all__ is empty"
+    for name in module.__all__:
+        obj = getattr(module, name)
+        assert (obj.__doc__ or "").strip(), f"{package}.{name} has no docstring"
 
 
 def test_readme_quickstart_runs():
