@@ -98,13 +98,22 @@ def report(title: str, times: dict, bytes_per_call: dict, baseline: str, rows: l
         med = statistics.median(ts)
         gbs = bytes_per_call[name] / med / 1e9
         frac, _, _ = ratio_summary(
-            [bytes_per_call[name] / t for t in ts], [bytes_per_call[copy_name] / t for t in times[copy_name]]
+            [bytes_per_call[name] / t for t in ts],
+            [bytes_per_call[copy_name] / t for t in times[copy_name]],
         )
         r, lo, hi = ratio_summary(times[baseline], ts)
         speed = "" if name.startswith("copy") else f"{r:.3f}x [{lo:.3f}, {hi:.3f}]"
         print(f"{name:<28} {med * 1e3:>9.3f} {gbs:>7.1f} {frac:>6.2f} {speed:>26}")
-        rows.append(dict(group=title, arm=name, ms=med * 1e3, gbps=gbs, copy_fraction=frac,
-                         speed_vs_baseline=None if name.startswith("copy") else [r, lo, hi]))
+        rows.append(
+            dict(
+                group=title,
+                arm=name,
+                ms=med * 1e3,
+                gbps=gbs,
+                copy_fraction=frac,
+                speed_vs_baseline=None if name.startswith("copy") else [r, lo, hi],
+            )
+        )
 
 
 def main() -> None:
@@ -119,8 +128,10 @@ def main() -> None:
 
     on_gpu = jax.default_backend() == "gpu"
     impls = ["xla", "pallas"] if on_gpu else ["xla"]
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}: {jax.devices()[0]}; "
-          f"{args.rounds} alternating rounds x {args.iters} calls per arm")
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}: {jax.devices()[0]}; "
+        f"{args.rounds} alternating rounds x {args.iters} calls per arm"
+    )
     rows: list = []
 
     key = jax.random.key(0)
@@ -146,12 +157,19 @@ def main() -> None:
     bytes_per_call = {name: 32 * args.adamw_params for name in arms}
     bytes_per_call["copy (x + 1, in place)"] = 8 * args.adamw_params
     times = alternate(arms, rounds=args.rounds, iters=max(1, args.iters // 2))
-    report(f"AdamW step, {args.adamw_params:,} fp32 params, clip 1.0", times, bytes_per_call,
-           "adamw unfused chain", rows)
+    report(
+        f"AdamW step, {args.adamw_params:,} fp32 params, clip 1.0",
+        times,
+        bytes_per_call,
+        "adamw unfused chain",
+        rows,
+    )
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), rows=rows), f, indent=1)
+            json.dump(
+                dict(jax=jax.__version__, device=str(jax.devices()[0]), rows=rows), f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,15 @@ The kernel runs per leaf: one launch per parameter array, over flat 1-D blocks (
 reshape of a contiguous array). Concatenating all leaves into one buffer would save the
 launches (a few microseconds each) but copy every array twice per step, which is the traffic
 a fused step exists to avoid. The last block of a leaf may overhang it; its loads and stores
-are masked, so no padded copy is made. The per-step scalars (learning rate, bias
-corrections, clip coefficient) are computed once outside and read from one small array.
+are masked (``_blocks.py``), so no padded copy is made. The per-step scalars (learning rate,
+bias corrections, clip coefficient, skip flag) are computed once outside and read from one
+small array.
+
+Skipping a step (``adamw_update_leaves(..., skip=)``, for a step whose gradients are not
+finite) is a select inside the same pass: where the flag is set, every output element is its
+input (the update ``-0.0``). Not a ``lax.cond`` around the pass: XLA materializes both
+branches' outputs of a conditional and cannot alias them to donated inputs, and on a GPU the
+predicate of a conditional is copied to the host every step.
 """
 
 from __future__ import annotations
@@ -20,21 +27,28 @@ import dataclasses
 import functools
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 
 from rudax.kernels import _compat
+from rudax.kernels._blocks import block_size_for, load_block, tail_mask
+from rudax.kernels._checks import (
+    check_block,
+    check_count,
+    check_power_of_two,
+    check_range,
+)
 from rudax.kernels._rounding import round_by_cast, round_to, storage_update
 
 _STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 # The per-step scalars, in the order the kernel reads them from one small fp32 array (padded
-# to a power of two, a Triton block shape).
+# to a power of two, a Triton block shape). "skip" is 1.0 for a skipped step, else 0.0.
 _SCALARS = (
     "grad_scale",
     "neg_lr",
@@ -46,6 +60,7 @@ _SCALARS = (
     "one_minus_b2",
     "eps",
     "weight_decay",
+    "skip",
 )
 _NUM_SCALARS = pl.next_power_of_2(len(_SCALARS))
 
@@ -67,75 +82,59 @@ class AdamWBlock:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{field.name} must be an int, got {field.name}={value!r}")
-            if value < 1 or value & (value - 1):
-                raise ValueError(
-                    f"{field.name} must be a positive power of two, got {field.name}={value!r}"
-                )
+            check_power_of_two(field.name, getattr(self, field.name))
 
 
-# --- validation (rudax.kernels does not import rudax.optim) -------------------------------
+# --- validation -----------------------------------------------------------------------------
 
 
-def _concrete(name: str, value: Any) -> float | None:
-    """value as a Python float; None for a tracer; TypeError for a non-number or non-scalar."""
-    if isinstance(value, jax.core.Tracer):
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
-        raise TypeError(f"{name} must be a real number, got {name}={value!r}")
-    if np.ndim(value) != 0:
-        raise TypeError(f"{name} must be a scalar, got shape {np.shape(value)}: {name}={value!r}")
-    return float(value)
-
-
-def _check_range(name: str, value: Any, low: float, high: float | None = None) -> None:
-    """low <= value (< high when given), finite; tracers pass unchecked."""
-    v = _concrete(name, value)
-    if v is None:
-        return
-    if not (math.isfinite(v) and v >= low and (high is None or v < high)):
-        bound = f"in [{low}, {high})" if high is not None else f"a finite number >= {low}"
-        raise ValueError(f"{name} must be {bound}, got {name}={value!r}")
-
-
-def _check_count(count: Any) -> None:
-    if isinstance(count, jax.core.Tracer):
-        return
-    if isinstance(count, bool) or not (
-        isinstance(count, numbers.Integral)
-        or (isinstance(count, np.ndarray | jax.Array) and jnp.issubdtype(count.dtype, jnp.integer))
-    ):
-        raise TypeError(f"count must be an integer (the 1-based step), got {count=}")
-    if np.ndim(count) != 0:
-        raise TypeError(f"count must be a scalar, got shape {np.shape(count)}: {count=}")
-    if int(count) < 1:
-        raise ValueError(f"count must be >= 1 (the 1-based step), got {count=}")
-
-
-def _check_arrays(param, grad, exp_avg, exp_avg_sq, master) -> None:
+def _check_arrays(param, grad, exp_avg, exp_avg_sq, master, where: str = "") -> None:
     named = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if master is not None:
         named["master"] = master
     for name, x in named.items():
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={x.dtype}")
+            raise TypeError(f"{where}{name} must have a floating dtype, got {name}.dtype={x.dtype}")
         if x.shape != param.shape:
             raise ValueError(
-                f"{name} must have param's shape {param.shape}, got {name}.shape={x.shape}"
+                f"{where}{name} must have param's shape {param.shape}, got {name}.shape={x.shape}"
             )
     if param.dtype not in _STORAGE_DTYPES:
         raise TypeError(
-            f"param must be bfloat16, float16 or float32, got param.dtype={param.dtype}"
+            f"{where}param must be bfloat16, float16 or float32, got param.dtype={param.dtype}"
         )
     for name in ("exp_avg", "exp_avg_sq"):
         if named[name].dtype not in _STORAGE_DTYPES:
             raise TypeError(
-                f"{name} must be bfloat16, float16 or float32, got {name}.dtype={named[name].dtype}"
+                f"{where}{name} must be bfloat16, float16 or float32, got "
+                f"{name}.dtype={named[name].dtype}"
             )
     if master is not None and master.dtype != jnp.float32:
-        raise TypeError(f"master must be float32, got master.dtype={master.dtype}")
+        raise TypeError(f"{where}master must be float32, got master.dtype={master.dtype}")
+
+
+def _check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale) -> None:
+    check_count(count)
+    check_range("learning_rate", learning_rate, 0.0)
+    check_range("b1", b1, 0.0, 1.0)
+    check_range("b2", b2, 0.0, 1.0)
+    check_range("eps", eps, 0.0)
+    check_range("weight_decay", weight_decay, 0.0)
+    if grad_scale is not None:
+        check_range("grad_scale", grad_scale, 0.0)
+
+
+def _check_skip(skip: Any) -> jax.Array | None:
+    if skip is None:
+        return None
+    if not isinstance(skip, bool | np.bool_ | np.ndarray | jax.Array):
+        raise TypeError(f"skip must be a bool scalar or None, got {skip=}")
+    skip = jnp.asarray(skip)
+    if skip.dtype != jnp.bool_ or skip.shape != ():
+        raise TypeError(
+            f"skip must be a bool scalar or None, got dtype={skip.dtype}, shape={skip.shape}"
+        )
+    return skip
 
 
 # --- the math, shared by the kernel and the reference -------------------------------------
@@ -155,7 +154,14 @@ def _one_minus(decay: Any) -> Any:
 
 
 def _step_scalars(
-    count: Any, learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any, grad_scale: Any
+    count: Any,
+    learning_rate: Any,
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    weight_decay: Any,
+    grad_scale: Any,
+    skip: jax.Array | None,
 ) -> jax.Array:
     """The per-step scalars of ``_SCALARS`` as one fp32 vector, computed as rudax.optim.adamw.
 
@@ -174,67 +180,65 @@ def _step_scalars(
         "one_minus_b2": _one_minus(b2),
         "eps": eps,
         "weight_decay": weight_decay,
+        "skip": 0.0 if skip is None else skip,
     }
     vector = [jnp.asarray(values[name]).astype(jnp.float32) for name in _SCALARS]
     vector += [jnp.zeros((), jnp.float32)] * (_NUM_SCALARS - len(_SCALARS))
     return jnp.stack(vector)
 
 
-def _adamw_math(
+def _adamw_step(
     s: dict[str, jax.Array],
+    param: jax.Array,
     grad: jax.Array,
     exp_avg: jax.Array,
     exp_avg_sq: jax.Array,
-    weight: jax.Array,
+    master: jax.Array | None,
     *,
+    rounding: Any,
     scaled: bool,
     decay: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One AdamW step in fp32; returns (step to add to the weight, exp_avg, exp_avg_sq).
+    skippable: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """(update in param's dtype, fp32 exp_avg, fp32 exp_avg_sq, new master) of one block.
 
-    The operations and their order are rudax.optim's chain (clip_by_global_norm, then
-    scale_by_torch_adam, add_decayed_weights, scale_by_learning_rate), so the two agree to the
-    bit wherever the compiler does not contract a multiply and an add into one FMA.
+    ``param`` comes in its stored dtype, everything else in fp32. The operations and their
+    order are rudax.optim's chain (clip_by_global_norm, then scale_by_torch_adam,
+    add_decayed_weights, scale_by_learning_rate), so the two agree to the bit wherever the
+    compiler does not contract a multiply and an add into one FMA.
+
+    With ``skippable``, a set ``skip`` scalar selects every input back and the update
+    ``-0.0``: IEEE's exact additive identity, so ``param + update`` keeps every bit of
+    ``param`` (``+0.0`` would turn a ``-0.0`` parameter into ``+0.0``). Selects, not
+    arithmetic, since NaN * 0 is NaN.
     """
+    apply = s["skip"] == 0.0  # used only when skippable
     g = grad * s["grad_scale"] if scaled else grad
     m = s["b1"] * exp_avg + s["one_minus_b1"] * g
     v = s["b2"] * exp_avg_sq + s["one_minus_b2"] * g * g
+    if skippable:
+        # Selected before the direction uses them, so that XLA computes the direction from
+        # the moments it writes instead of recomputing them from the old ones (which would
+        # keep the old buffers alive and cost a copy of each when they are donated).
+        m = jnp.where(apply, m, exp_avg)
+        v = jnp.where(apply, v, exp_avg_sq)
     u = (m * s["inv_bc1"]) / (jnp.sqrt(v) * s["inv_bc2_sqrt"] + s["eps"])
+    weight = param.astype(jnp.float32) if master is None else master
     if decay:
         u = u + s["weight_decay"] * weight
-    return s["neg_lr"] * u, m, v
-
-
-def _finish(
-    step: jax.Array, param: jax.Array, master: jax.Array | None, rounding: Any
-) -> tuple[jax.Array, jax.Array | None]:
-    """(update in param's dtype, new master): the exact storage scheme when there is a master."""
+    step = s["neg_lr"] * u
     if master is None:
-        return step.astype(param.dtype), None
-    return storage_update(master, param, step, rounding=rounding)
+        update, new_master = step.astype(param.dtype), None
+    else:
+        update, new_master = storage_update(master, param, step, rounding=rounding)
+    if skippable:
+        update = jnp.where(apply, update, jnp.asarray(-0.0, update.dtype))
+        if master is not None:
+            new_master = jnp.where(apply, new_master, master)
+    return update, m, v, new_master
 
 
 # --- Pallas kernels -------------------------------------------------------------------------
-
-
-def _tail_mask(num_elements: int, block_size: int) -> jax.Array | None:
-    """True where a block's element lies inside the leaf; None when no block overhangs.
-
-    ``program < full blocks or lane < remainder`` rather than a global offset against the
-    size, so nothing overflows int32 for leaves of 2**31 elements or more.
-    """
-    full_blocks, remainder = divmod(num_elements, block_size)
-    if remainder == 0:
-        return None
-    lane = lax.broadcasted_iota(jnp.int32, (block_size,), 0)
-    return (pl.program_id(0) < full_blocks) | (lane < remainder)
-
-
-def _load(ref: Any, mask: jax.Array | None) -> jax.Array:
-    """Reads a block as fp32; lanes past the leaf's end read as 0 (finite, and add nothing)."""
-    if mask is None:  # Triton refuses `other` without a mask
-        return _compat.load(ref).astype(jnp.float32)
-    return _compat.load(ref, mask=mask, other=jnp.zeros((), ref.dtype)).astype(jnp.float32)
 
 
 def _update_kernel(
@@ -244,16 +248,20 @@ def _update_kernel(
         w_ref, update_ref, m_out_ref, v_out_ref, w_out_ref = refs
     else:
         update_ref, m_out_ref, v_out_ref = refs
-    mask = _tail_mask(num_elements, block_size)
+    mask = tail_mask(num_elements, block_size)
     s = {name: s_ref[i] for i, name in enumerate(_SCALARS)}
-    param = _compat.load(param_ref) if mask is None else _compat.load(param_ref, mask=mask)
-    master = _load(w_ref, mask) if has_master else None
-    weight = master if has_master else param.astype(jnp.float32)
-    step, m, v = _adamw_math(
-        s, _load(grad_ref, mask), _load(m_ref, mask), _load(v_ref, mask), weight, **flags
-    )
+    f32 = lambda ref: load_block(ref, mask).astype(jnp.float32)
     # Triton leaves a cast pair alone; XLA would be free to drop it (see _rounding.py).
-    update, new_master = _finish(step, param, master, round_by_cast)
+    update, m, v, new_master = _adamw_step(
+        s,
+        load_block(param_ref, mask),
+        f32(grad_ref),
+        f32(m_ref),
+        f32(v_ref),
+        f32(w_ref) if has_master else None,
+        rounding=round_by_cast,
+        **flags,
+    )
     _compat.store(update_ref, update, mask=mask)
     _compat.store(m_out_ref, m.astype(m_out_ref.dtype), mask=mask)
     _compat.store(v_out_ref, v.astype(v_out_ref.dtype), mask=mask)
@@ -264,38 +272,35 @@ def _update_kernel(
 # --- the Pallas and XLA paths -------------------------------------------------------------
 
 
-def _update_reference(scalars, param, grad, exp_avg, exp_avg_sq, master, *, scaled, decay):
+def _update_reference(scalars, param, grad, exp_avg, exp_avg_sq, master, **flags):
     """The XLA path: the kernel's math on whole arrays, rounding with ``round_to``."""
     s = {name: scalars[i] for i, name in enumerate(_SCALARS)}
     f32 = lambda x: x.astype(jnp.float32)
-    weight = f32(param) if master is None else master
-    step, m, v = _adamw_math(
-        s, f32(grad), f32(exp_avg), f32(exp_avg_sq), weight, scaled=scaled, decay=decay
+    update, m, v, new_master = _adamw_step(
+        s, param, f32(grad), f32(exp_avg), f32(exp_avg_sq), master, rounding=round_to, **flags
     )
-    update, new_master = _finish(step, param, master, round_to)
     return update, m.astype(exp_avg.dtype), v.astype(exp_avg_sq.dtype), new_master
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "interpret", "block", "scaled", "decay"))
+@functools.partial(
+    jax.jit, static_argnames=("impl", "interpret", "block", "scaled", "decay", "skippable")
+)
 def _update_leaf(
-    scalars, param, grad, exp_avg, exp_avg_sq, master, *, impl, interpret, block, scaled, decay
+    scalars, param, grad, exp_avg, exp_avg_sq, master, *, impl, interpret, block, **flags
 ):
     shape, n = param.shape, param.size
     if impl == "xla" or n == 0:
-        return _update_reference(
-            scalars, param, grad, exp_avg, exp_avg_sq, master, scaled=scaled, decay=decay
-        )
+        return _update_reference(scalars, param, grad, exp_avg, exp_avg_sq, master, **flags)
     has_master = master is not None
     operands = (param, grad, exp_avg, exp_avg_sq) + ((master,) if has_master else ())
-    block_size = min(block.size, pl.next_power_of_2(n))
+    block_size = block_size_for(n, block.size)
     spec = pl.BlockSpec((block_size,), lambda i: (i,))
     kernel = functools.partial(
         _update_kernel,
         num_elements=n,
         block_size=block_size,
         has_master=has_master,
-        scaled=scaled,
-        decay=decay,
+        **flags,
     )
     outs = _compat.pallas_call(
         kernel,
@@ -317,17 +322,6 @@ def _update_leaf(
 def _static_nonzero(value: Any) -> bool:
     """False only for a Python or NumPy number equal to 0, which drops the decay term."""
     return not (isinstance(value, numbers.Real) and value == 0)
-
-
-def _check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale) -> None:
-    _check_count(count)
-    _check_range("learning_rate", learning_rate, 0.0)
-    _check_range("b1", b1, 0.0, 1.0)
-    _check_range("b2", b2, 0.0, 1.0)
-    _check_range("eps", eps, 0.0)
-    _check_range("weight_decay", weight_decay, 0.0)
-    if grad_scale is not None:
-        _check_range("grad_scale", grad_scale, 0.0)
 
 
 def adamw_update(
@@ -405,26 +399,119 @@ def adamw_update(
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019; PyTorch, ``torch.optim.AdamW``.
     """
-    arrays = [jnp.asarray(x) for x in (param, grad, exp_avg, exp_avg_sq)]
-    master = None if master is None else jnp.asarray(master)
-    _check_arrays(*arrays, master)
-    _check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
-    if block is None:
-        block = AdamWBlock()
-    if not isinstance(block, AdamWBlock):
-        raise TypeError(f"block must be an AdamWBlock or None, got {block=}")
-    resolved = _compat.resolve_impl(impl, interpret=interpret)
-    scalars = _step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
-    return _update_leaf(
-        scalars,
-        *arrays,
-        master,
-        impl=resolved,
+    (update,), (m,), (v,), (w,) = adamw_update_leaves(
+        [param],
+        [grad],
+        [exp_avg],
+        [exp_avg_sq],
+        [master],
+        count=count,
+        learning_rate=learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        grad_scale=grad_scale,
+        impl=impl,
         interpret=interpret,
         block=block,
+    )
+    return update, m, v, w
+
+
+def adamw_update_leaves(
+    params: Sequence[jax.Array],
+    grads: Sequence[jax.Array],
+    exp_avgs: Sequence[jax.Array],
+    exp_avg_sqs: Sequence[jax.Array],
+    masters: Sequence[jax.Array | None],
+    *,
+    count: int | jax.Array,
+    learning_rate: float | jax.Array,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    grad_scale: float | jax.Array | None = None,
+    skip: bool | jax.Array | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+    block: AdamWBlock | None = None,
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list[jax.Array | None]]:
+    """``adamw_update`` over many leaves with one set of scalars, and an optional skip.
+
+    Leaf ``i`` gets ``adamw_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+    masters[i], ...)`` (see it for the rule). With ``skip`` True, each leaf's pass instead
+    selects, element by element::
+
+        update = -0.0 (param's dtype); exp_avg, exp_avg_sq, master returned bit for bit
+
+    so ``param + update`` keeps every bit of ``param``, ``-0.0`` included. This is how
+    ``rudax.optim.fused_adamw`` skips a non-finite step without a ``lax.cond``.
+
+    Args:
+      params: the stored parameters, each as ``adamw_update``'s ``param``.
+      grads: one gradient per parameter.
+      exp_avgs: one first moment per parameter.
+      exp_avg_sqs: one second moment per parameter.
+      masters: one fp32 master or None per parameter.
+      count: this update's 1-based step ``t``, >= 1, for every leaf.
+      learning_rate: the learning rate of this step, >= 0.
+      b1: decay of the first moment, in [0, 1).
+      b2: decay of the second moment, in [0, 1).
+      eps: added to the bias-corrected root of the second moment, >= 0.
+      weight_decay: decoupled decay, >= 0; a number equal to 0 drops the term.
+      grad_scale: multiplies every gradient first, or None.
+      skip: None (apply), or a bool scalar (an array under ``jit``): True skips the step.
+      impl: ``"auto"``, ``"pallas"`` or ``"xla"``.
+      interpret: run the Pallas kernel in interpret mode, on any backend (for tests).
+      block: the kernel's ``AdamWBlock``; None for the default.
+
+    Returns:
+      ``(updates, exp_avgs, exp_avg_sqs, masters)``, four lists with one entry per leaf as
+      ``adamw_update`` returns them. ``adamw_update``'s errors, prefixed ``leaf i:`` for an
+      array when there are several leaves; a ValueError if the sequences' lengths differ.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from rudax.kernels._adamw import adamw_update_leaves
+      >>> p, g, zeros = jnp.array([-0.0, 1.0]), jnp.array([jnp.nan, 1.0]), jnp.zeros(2)
+      >>> updates, *_ = adamw_update_leaves(
+      ...     [p], [g], [zeros], [zeros], [None], count=1, learning_rate=0.1,
+      ...     skip=jnp.array(True))
+      >>> (p + updates[0]).tolist()
+      [-0.0, 1.0]
+
+    References:
+      See ``adamw_update``.
+    """
+    sequences = (params, grads, exp_avgs, exp_avg_sqs, masters)
+    if len({len(x) for x in sequences}) != 1:
+        raise ValueError(
+            "params, grads, exp_avgs, exp_avg_sqs and masters must have one entry per leaf, "
+            f"got lengths {tuple(len(x) for x in sequences)}"
+        )
+    leaves = []
+    for i, arrays in enumerate(zip(*sequences, strict=True)):
+        arrays = [None if x is None else jnp.asarray(x) for x in arrays]
+        _check_arrays(*arrays, where=f"leaf {i}: " if len(params) > 1 else "")
+        leaves.append(arrays)
+    _check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
+    skip = _check_skip(skip)
+    check_block(block, AdamWBlock)
+    resolved = _compat.resolve_impl(impl, interpret=interpret)
+    scalars = _step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale, skip)
+    flags = dict(
         scaled=grad_scale is not None,
         decay=_static_nonzero(weight_decay),
+        skippable=skip is not None,
     )
+    block = AdamWBlock() if block is None else block
+    outs = [
+        _update_leaf(scalars, *arrays, impl=resolved, interpret=interpret, block=block, **flags)
+        for arrays in leaves
+    ]
+    return tuple([o[i] for o in outs] for i in range(4))
 
 
 def adamw_update_reference(
@@ -451,11 +538,12 @@ def adamw_update_reference(
     master = None if master is None else jnp.asarray(master)
     _check_arrays(*arrays, master)
     _check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
-    scalars = _step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
+    scalars = _step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale, None)
     return _update_reference(
         scalars,
         *arrays,
         master,
         scaled=grad_scale is not None,
         decay=_static_nonzero(weight_decay),
+        skippable=False,
     )

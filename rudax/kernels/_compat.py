@@ -42,14 +42,14 @@ from typing import Any, Literal
 import jax
 from jax.experimental import pallas as pl
 
+from rudax.kernels._checks import check_bool, check_impl
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     try:
         from jax.experimental.pallas import triton as _triton
     except ImportError:  # a JAX release without the Triton backend
         _triton = None
-
-IMPLS = ("auto", "pallas", "xla")
 
 # The custom call a Pallas Triton kernel becomes in exported StableHLO. jax.export refuses
 # custom calls without a stability guarantee unless told, hence EXPORT_DISABLED_CHECKS.
@@ -112,10 +112,8 @@ def resolve_impl(impl: str, *, interpret: bool = False) -> Literal["pallas", "xl
       >>> resolve_impl("pallas", interpret=True)
       'pallas'
     """
-    if not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool, got {interpret=}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
+    check_bool("interpret", interpret)
+    check_impl(impl)
     on_gpu = _backend() == "gpu"
     if impl == "auto":
         return "pallas" if on_gpu and gpu_lowering_available() else "xla"

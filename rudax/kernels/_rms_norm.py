@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from rudax.kernels import _rowwise
+from rudax.kernels._checks import check_block, check_static_positive
 from rudax.kernels._rowwise import RowBlock
 
 
@@ -158,8 +159,8 @@ def rms_norm(
     """
     _rowwise.check_input(x)
     _rowwise.check_vector("scale", scale, x)
-    epsilon = _rowwise.check_epsilon(epsilon)
-    _rowwise.check_block(block)
+    epsilon = check_static_positive("epsilon", epsilon)
+    check_block(block, RowBlock)
     path = _rowwise.choose_path(impl, interpret, x)
     if block is None:
         block = _rowwise.default_block(x.size // x.shape[-1], x.shape[-1])

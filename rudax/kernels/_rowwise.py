@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from rudax.kernels import _compat
+from rudax.kernels._checks import check_positive_int, check_power_of_two
 
 # Features per row the Pallas path takes: one row must fit one block in registers. Wider
 # rows run the XLA path under impl="auto"; impl="pallas" refuses them.
@@ -54,15 +53,10 @@ class RowBlock:
     num_warps: int = 8
     programs: int = 256
 
-    def __post_init__(self):
-        for name in ("rows", "num_warps", "programs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"RowBlock.{name} must be a positive int, got {name}={value!r}")
-        for name in ("rows", "num_warps"):
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"RowBlock.{name} must be a power of two, got {name}={value}")
+    def __post_init__(self) -> None:
+        check_power_of_two("rows", self.rows)
+        check_power_of_two("num_warps", self.num_warps)
+        check_positive_int("programs", self.programs)
 
 
 def default_block(num_rows: int, features: int) -> RowBlock:
@@ -71,15 +65,6 @@ def default_block(num_rows: int, features: int) -> RowBlock:
     rows = max(1, min(_BLOCK_ELEMENTS // cols, pl.next_power_of_2(max(num_rows, 1))))
     warps = min(max(rows * cols // 512, 1), 16)
     return RowBlock(rows=rows, num_warps=warps)
-
-
-def check_epsilon(epsilon: Any) -> float:
-    """epsilon is a static Python number: finite and > 0."""
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
-        raise TypeError(f"epsilon must be a real number, got {epsilon=}")
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon=}")
-    return float(epsilon)
 
 
 def check_input(x: Any) -> None:
@@ -103,11 +88,6 @@ def check_vector(name: str, v: Any, x: Any) -> None:
             f"{name} must have shape (features,) = ({x.shape[-1]},) for x.shape={x.shape}, got "
             f"{name}.shape={tuple(v.shape)}"
         )
-
-
-def check_block(block: Any) -> None:
-    if block is not None and not isinstance(block, RowBlock):
-        raise TypeError(f"block must be a rudax.kernels.RowBlock or None, got {block=}")
 
 
 def choose_path(impl: str, interpret: bool, x: jax.Array) -> str:

@@ -7,7 +7,7 @@ inputs, so the residuals are ``gate`` and ``up`` themselves, never an fp32 copy.
 
 Any shape runs: both operands are flattened (a free reshape of a contiguous array) and cut
 into 1-D blocks of ``SiluMulBlock.size`` elements. The last block may overhang the array;
-its loads and stores are masked, so no padded copy is made (see ``_compat.load``).
+its loads and stores are masked, so no padded copy is made (see ``_blocks.py``).
 """
 
 from __future__ import annotations
@@ -21,17 +21,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from rudax.kernels import _compat
+from rudax.kernels._blocks import block_size_for, load_block, tail_mask
+from rudax.kernels._checks import check_block, check_power_of_two
 
 # The Triton lowering computes a block's start, program_id * block_size, in int32: with 1-D
 # blocks that overflows past 2**31 - 1 elements, so larger arrays take the XLA path.
 _MAX_PALLAS_ELEMENTS = 2**31 - 1
-
-
-def _check_power_of_two(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {name}={value!r}")
-    if value < 1 or value & (value - 1):
-        raise ValueError(f"{name} must be a positive power of two, got {name}={value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +45,8 @@ class SiluMulBlock:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        _check_power_of_two("size", self.size)
-        _check_power_of_two("num_warps", self.num_warps)
+        for field in dataclasses.fields(self):
+            check_power_of_two(field.name, getattr(self, field.name))
 
 
 def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -74,42 +69,22 @@ def _backward_math(gate: jax.Array, up: jax.Array, d_out: jax.Array) -> tuple[ja
 # --- Pallas kernels ------------------------------------------------------------------------
 
 
-def _tail_mask(num_elements: int, block_size: int) -> jax.Array | None:
-    """True where a block's element lies inside the array; None when no block overhangs.
-
-    Written as ``program < full blocks or lane < remainder`` rather than comparing
-    ``program * block_size + lane`` with the size, which can pass 2**31 - 1 in the last block.
-    """
-    full_blocks, remainder = divmod(num_elements, block_size)
-    if remainder == 0:
-        return None
-    lane = jax.lax.broadcasted_iota(jnp.int32, (block_size,), 0)
-    return (pl.program_id(0) < full_blocks) | (lane < remainder)
-
-
-def _load(ref, mask: jax.Array | None) -> jax.Array:
-    """Reads a block; lanes past the array's end read as 0, so they compute finite values."""
-    if mask is None:  # Triton refuses `other` without a mask
-        return _compat.load(ref)
-    return _compat.load(ref, mask=mask, other=jnp.zeros((), ref.dtype))
-
-
 def _silu_mul_kernel(gate_ref, up_ref, out_ref, *, num_elements: int, block_size: int) -> None:
-    mask = _tail_mask(num_elements, block_size)
+    mask = tail_mask(num_elements, block_size)
     dtype = _compute_dtype(out_ref.dtype)
-    gate = _load(gate_ref, mask).astype(dtype)
-    up = _load(up_ref, mask).astype(dtype)
+    gate = load_block(gate_ref, mask).astype(dtype)
+    up = load_block(up_ref, mask).astype(dtype)
     _compat.store(out_ref, _forward_math(gate, up).astype(out_ref.dtype), mask=mask)
 
 
 def _silu_mul_backward_kernel(
     gate_ref, up_ref, d_out_ref, d_gate_ref, d_up_ref, *, num_elements: int, block_size: int
 ) -> None:
-    mask = _tail_mask(num_elements, block_size)
+    mask = tail_mask(num_elements, block_size)
     dtype = _compute_dtype(gate_ref.dtype)
-    gate = _load(gate_ref, mask).astype(dtype)
-    up = _load(up_ref, mask).astype(dtype)
-    d_out = _load(d_out_ref, mask).astype(dtype)
+    gate = load_block(gate_ref, mask).astype(dtype)
+    up = load_block(up_ref, mask).astype(dtype)
+    d_out = load_block(d_out_ref, mask).astype(dtype)
     d_gate, d_up = _backward_math(gate, up, d_out)
     _compat.store(d_gate_ref, d_gate.astype(d_gate_ref.dtype), mask=mask)
     _compat.store(d_up_ref, d_up.astype(d_up_ref.dtype), mask=mask)
@@ -120,7 +95,7 @@ def _elementwise_call(
 ) -> tuple[jax.Array, ...]:
     """Runs an elementwise kernel over the operands flattened to 1-D; outputs like operand 0."""
     shape, dtype, n = operands[0].shape, operands[0].dtype, operands[0].size
-    block_size = min(block.size, pl.next_power_of_2(n))
+    block_size = block_size_for(n, block.size)
     spec = pl.BlockSpec((block_size,), lambda i: (i,))
     outs = _compat.pallas_call(
         functools.partial(kernel, num_elements=n, block_size=block_size),
@@ -273,10 +248,9 @@ def silu_mul(
       Approximation in Reinforcement Learning", 2017 (SiLU).
     """
     _check_operands(gate, up)
+    check_block(block, SiluMulBlock)
     if block is None:
         block = SiluMulBlock()
-    if not isinstance(block, SiluMulBlock):
-        raise TypeError(f"block must be a SiluMulBlock or None, got {block=}")
     resolved = _compat.resolve_impl(impl, interpret=interpret)
     if resolved == "pallas" and gate.size > _MAX_PALLAS_ELEMENTS:
         if impl == "pallas":

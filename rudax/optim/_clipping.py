@@ -39,8 +39,12 @@ def _sum_of_squares(g: jax.Array) -> jax.Array:
     return jnp.sum(g * g)
 
 
-def _coefficient(norm: jax.Array, max_norm: Any) -> jax.Array:
-    """torch's clip coefficient; min() lets a NaN norm through rather than hiding it."""
+def clip_coefficient(norm: jax.Array, max_norm: Any) -> jax.Array:
+    """torch's clip coefficient ``min(max_norm / (norm + 1e-6), 1)``, an fp32 scalar.
+
+    min() lets a NaN norm through rather than hiding it. Shared with ``fused_adamw``, which
+    computes the norm itself and passes the coefficient into its update kernel.
+    """
     return jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (norm + _NORM_EPS), 1.0)
 
 
@@ -56,7 +60,7 @@ def clip_leaf_by_norm(g: jax.Array, max_norm: Any) -> jax.Array:
 
     The per-leaf step of ``clip_per_parameter``, shared with ``fp32_master``'s option.
     """
-    return _scale(g, _coefficient(jnp.sqrt(_sum_of_squares(g)), max_norm))
+    return _scale(g, clip_coefficient(jnp.sqrt(_sum_of_squares(g)), max_norm))
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -105,7 +109,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         check_floating_leaves("clip_by_global_norm: gradient", updates)
         squares = [_sum_of_squares(g) for g in jax.tree.leaves(updates)]
         norm = jnp.sqrt(sum(squares, start=jnp.zeros((), jnp.float32)))
-        coefficient = _coefficient(norm, max_norm)
+        coefficient = clip_coefficient(norm, max_norm)
         updates = jax.tree.map(lambda g: _scale(g, coefficient), updates)
         return updates, ClipByGlobalNormState(global_norm=norm)
 

@@ -54,7 +54,7 @@ def assert_lowers_for_gpu(
     *args: jax.ShapeDtypeStruct,
     kernels: Sequence[str] = (),
     backward_kernels: Sequence[str] | None = None,
-) -> None:
+) -> str:
     """Exports ``fn`` (and its VJP) for CUDA and checks the Pallas kernels are in it.
 
     Args:
@@ -64,10 +64,14 @@ def assert_lowers_for_gpu(
       backward_kernels: names that the export of ``jax.vjp(fn, *args)``'s backward must
         contain; None skips the backward. The VJP is taken with respect to every floating
         argument, with a cotangent of ``fn``'s output structure as an extra input.
+
+    Returns:
+      The forward export's StableHLO text, for further checks.
     """
-    _check(_export_text(fn, *args), kernels, "forward")
+    forward = _export_text(fn, *args)
+    _check(forward, kernels, "forward")
     if backward_kernels is None:
-        return
+        return forward
     floating = [jnp.issubdtype(a.dtype, jnp.floating) for a in args]
     out = jax.eval_shape(fn, *args)
 
@@ -83,3 +87,4 @@ def assert_lowers_for_gpu(
 
     text = _export_text(backward, tuple(args), out)
     _check(text, backward_kernels, "backward")
+    return forward

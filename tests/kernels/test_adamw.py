@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import rudax.kernels as rk
+from rudax.kernels._adamw import adamw_update_leaves
 from tests.kernels._lowering import assert_lowers_for_gpu
 
 # Pallas runs compiled on a GPU (benchmarks/gpu_check.sh), interpreted elsewhere.
@@ -178,6 +179,49 @@ def test_nonfinite_gradients_stay_in_their_elements():
         np.testing.assert_allclose(x[~bad], y[~bad], rtol=2**-7)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("param_dtype, moment_dtype, with_master", [CONFIGS[i] for i in (0, 1, 3)])
+def test_skip_returns_every_input_bit_for_bit(impl, param_dtype, moment_dtype, with_master):
+    rng = np.random.default_rng(4)
+    states = [random_state(rng, s, param_dtype, moment_dtype, with_master) for s in SHAPES]
+    states[1]["param"] = states[1]["param"].at[3].set(-0.0)  # keeps its sign when skipped
+    finite = [
+        jnp.asarray(rng.normal(size=s).astype(np.float32)).astype(param_dtype) for s in SHAPES
+    ]
+    nonfinite = [finite[0].at[1, 2].set(jnp.nan), finite[1].at[0].set(jnp.inf), finite[2]]
+    buffers = [[s[k] for s in states] for k in ("param", "exp_avg", "exp_avg_sq", "master")]
+    kwargs = dict(impl=impl, interpret=INTERPRET, block=BLOCK)
+
+    @jax.jit
+    def step(grads, skip):
+        return adamw_update_leaves(
+            buffers[0], grads, *buffers[1:], count=3, learning_rate=0.1, skip=skip, **kwargs
+        )
+
+    updates, *new = step(nonfinite, jnp.asarray(True))
+    for u, p in zip(updates, buffers[0], strict=True):
+        assert u.dtype == p.dtype
+        np.testing.assert_array_equal(bits(u), bits(jnp.full_like(u, -0.0)))
+        np.testing.assert_array_equal(bits((p + u).astype(p.dtype)), bits(p))
+    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(buffers[1:]), strict=True):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+    # Not skipped, from the same compiled step: the op itself, to fp32 rounding (XLA folds
+    # the per-step scalars of a jitted step, and may round them differently from eager ops).
+    got = step(finite, jnp.asarray(False))
+    assert step._cache_size() == 1
+    rtol = {jnp.dtype(jnp.float32): 1e-6, jnp.dtype(jnp.bfloat16): 2**-7}
+    rtol[jnp.dtype(jnp.float16)] = 2**-10
+    for i, g in enumerate(finite):
+        args = [b[i] for b in buffers]
+        want = rk.adamw_update(args[0], g, *args[1:], count=3, learning_rate=0.1, **kwargs)
+        for x, y in zip(jax.tree.leaves([o[i] for o in got]), jax.tree.leaves(want), strict=True):
+            assert x.dtype == y.dtype
+            np.testing.assert_allclose(
+                np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol[x.dtype], atol=1e-7
+            )
+
+
 def test_jit_compiles_once():
     shape = (7,)
     state = random_state(np.random.default_rng(3), shape, jnp.bfloat16, jnp.float32, True)
@@ -264,6 +308,25 @@ def good_args():
 def test_bad_input(change, error, match):
     with pytest.raises(error, match=match):
         rk.adamw_update(**{**good_args(), **change})
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"skip": 1}, TypeError, "skip=1"),
+        ({"skip": jnp.zeros((2,), bool)}, TypeError, r"shape=\(2,\)"),
+        ({"skip": jnp.float32(1.0)}, TypeError, "dtype=float32"),
+        ({"grads": [jnp.zeros((3,))]}, ValueError, r"lengths \(2, 1, 2, 2, 2\)"),
+        ({"grads": [jnp.zeros((3,)), jnp.zeros((4,))]}, ValueError, r"leaf 1: grad .*=\(4,\)"),
+    ],
+    ids=["skip-int", "skip-shape", "skip-dtype", "lengths", "leaf-path"],
+)
+def test_bad_leaves_input(change, error, match):
+    x = jnp.zeros((3,), jnp.float32)
+    args = dict(params=[x, x], grads=[x, x], exp_avgs=[x, x], exp_avg_sqs=[x, x])
+    args.update(masters=[None, None], count=1, learning_rate=0.1, impl="xla")
+    with pytest.raises(error, match=match):
+        adamw_update_leaves(**{**args, **change})
 
 
 @pytest.mark.parametrize(

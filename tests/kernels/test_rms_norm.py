@@ -196,9 +196,15 @@ def test_pallas_off_gpu_needs_interpret():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"rows": 3}, "rows=3"), ({"num_warps": 0}, "num_warps=0"), ({"programs": 1.5}, "1.5")],
+    ("kwargs", "error", "match"),
+    [
+        ({"rows": 3}, ValueError, "rows=3"),
+        ({"num_warps": 0}, ValueError, "num_warps=0"),
+        ({"programs": 0}, ValueError, "programs=0"),
+        ({"programs": 1.5}, TypeError, "programs=1.5"),
+        ({"rows": True}, TypeError, "rows=True"),
+    ],
 )
-def test_bad_row_block(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_row_block(kwargs, error, match):
+    with pytest.raises(error, match=match):
         rk.RowBlock(**kwargs)

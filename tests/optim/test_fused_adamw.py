@@ -1,5 +1,7 @@
 """Tests of rudax.optim.fused_adamw: equal to rudax.optim's unfused chain, the skip, bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -157,6 +159,36 @@ def test_nonfinite_step_is_skipped_whole(impl):
         np.testing.assert_array_equal(bits(a), bits(b))
 
 
+def conditionals(tx, params, grads, *, compiled):
+    """How many conditionals a jitted step of tx holds: jaxpr `cond`s, or compiled HLO ones."""
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    args = (params, tx.init(params), grads)
+    if compiled:
+        return step.lower(*args).compile().as_text().count("conditional(")
+    return len(re.findall(r"\bcond\[", str(jax.make_jaxpr(step)(*args))))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_skip_is_a_select_not_a_conditional(impl):
+    # A lax.cond around the update would materialize both branches' outputs, break
+    # donation and fusion, and on a GPU read its predicate back to the host every step.
+    params, (grads,) = problem(1, jnp.bfloat16)
+    tx = ro.fused_adamw(halving, max_grad_norm=1.0, impl=impl, interpret=INTERPRET)
+    assert conditionals(tx, params, grads, compiled=False) == 0
+    # The interpreter lowers a Pallas grid to loops of its own: compiled HLO for XLA only.
+    if impl == "xla":
+        assert conditionals(tx, params, grads, compiled=True) == 0
+    # and the counts see the conditional of the unfused skip
+    unfused_skip = ro.skip_nonfinite(unfused(1e-2, jnp.bfloat16, 1.0))
+    assert conditionals(unfused_skip, params, grads, compiled=False) >= 1
+    assert conditionals(unfused_skip, params, grads, compiled=True) >= 1
+
+
 def test_without_skip_nonfinite_gradients_flow_through():
     params, grads = problem(1, jnp.float32)
     grads = grads[0]
@@ -233,7 +265,7 @@ def test_lowers_for_gpu():
         grads = {"kernel": grad_kernel, "bias": grad_bias}
         return tx.update(grads, tx.init(params), params)
 
-    assert_lowers_for_gpu(
+    text = assert_lowers_for_gpu(
         update,
         S((300, 7), jnp.bfloat16),
         S((7,), jnp.float32),
@@ -241,6 +273,8 @@ def test_lowers_for_gpu():
         S((7,), jnp.float32),
         kernels=["global_norm_partials", "adamw_update"],
     )
+    # No branch for the GPU to sync on: lax.cond lowers to stablehlo.case (or .if).
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
 test_bad_hyperparameters = rejects(
