@@ -5,7 +5,8 @@ the same device, so every time is reported next to the bandwidth this device rea
 same minute:
 
 - rms_norm and layer_norm, forward + backward, on (rows, features) bf16 (default 8192 x 4096);
-- silu_mul, forward + backward, on the same shape;
+- silu_mul, forward + backward, on the same shape; each op also as its `*_reference` under
+  plain autodiff, the baseline its speed ratios are taken against;
 - fused AdamW (`rudax.optim.fused_adamw`, clipping included) at 125M fp32 parameters, against
   the unfused `chain(clip_by_global_norm, adamw)` it equals.
 
@@ -44,23 +45,33 @@ def copy_arm(n: int, dtype) -> callable:
 
 
 def norm_arms(op: str, impls: list[str], x, scale, bias) -> dict:
+    """Forward + backward of `op` per impl, and of its `*_reference` under plain autodiff
+    (what a user writing the op in jnp would run: the baseline each path is compared to)."""
+
     def fwd_bwd(impl):
+        kw = {} if impl == "autodiff" else {"impl": impl}
+        ops = {
+            "rms_norm": rk.rms_norm_reference if impl == "autodiff" else rk.rms_norm,
+            "layer_norm": rk.layer_norm_reference if impl == "autodiff" else rk.layer_norm,
+            "silu_mul": rk.silu_mul_reference if impl == "autodiff" else rk.silu_mul,
+        }
+
         def f(x, scale, dy):
             if op == "rms_norm":
-                fn = lambda x, s: rk.rms_norm(x, s, epsilon=1e-6, impl=impl)
+                fn = lambda x, s: ops[op](x, s, epsilon=1e-6, **kw)
                 y, vjp = jax.vjp(fn, x, scale)
             elif op == "layer_norm":
-                fn = lambda x, s, b: rk.layer_norm(x, s, b, epsilon=1e-5, impl=impl)
+                fn = lambda x, s, b: ops[op](x, s, b, epsilon=1e-5, **kw)
                 y, vjp = jax.vjp(fn, x, scale, bias)
             else:
-                y, vjp = jax.vjp(lambda g, u: rk.silu_mul(g, u, impl=impl), x, scale)
+                y, vjp = jax.vjp(lambda g, u: ops[op](g, u, **kw), x, scale)
             return y, vjp(dy)
 
         step = jax.jit(f)
         dy = jnp.ones_like(x)
         return lambda: step(x, scale, dy)
 
-    return {f"{op} {impl}": fwd_bwd(impl) for impl in impls}
+    return {f"{op} {impl}": fwd_bwd(impl) for impl in ["autodiff", *impls]}
 
 
 def adamw_arms(impls: list[str], n_params: int) -> dict:
@@ -149,7 +160,7 @@ def main() -> None:
         bytes_per_call = {name: elems * 2 * n for name in arms}
         bytes_per_call["copy (x + 1, in place)"] = 2 * 2 * n
         times = alternate(arms, rounds=args.rounds, iters=args.iters)
-        report(f"{op} fwd+bwd {shape} bf16", times, bytes_per_call, f"{op} xla", rows)
+        report(f"{op} fwd+bwd {shape} bf16", times, bytes_per_call, f"{op} autodiff", rows)
 
     arms = adamw_arms(impls, args.adamw_params)
     arms["copy (x + 1, in place)"] = copy_arm(args.adamw_params, jnp.float32)
