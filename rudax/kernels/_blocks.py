@@ -1,4 +1,7 @@
-"""1-D blocks over a flattened array: the masked tail, shared by the elementwise kernels.
+"""Kernel blocks: the ``block`` argument's check, and 1-D blocks over a flattened array.
+
+Every op takes ``block``, None or its own frozen dataclass of block sizes (``RowBlock``,
+``SiluMulBlock``, ...), whose fields check themselves when built (``rudax/_validation.py``).
 
 ``silu_mul`` and ``adamw_update`` view each operand as 1-D (a free reshape of a contiguous
 array) and give each Pallas program one block of ``block_size`` elements, a power of two. The
@@ -16,6 +19,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from rudax.kernels import _compat
+
+
+def check_block(block: Any, block_type: type) -> None:
+    """TypeError unless block is None or an instance of ``block_type``."""
+    if block is not None and not isinstance(block, block_type):
+        raise TypeError(
+            f"block must be a rudax.kernels.{block_type.__name__} or None, got {block=}"
+        )
 
 
 def block_size_for(num_elements: int, size: int) -> int:

@@ -42,7 +42,7 @@ from typing import Any, Literal
 import jax
 from jax.experimental import pallas as pl
 
-from rudax.kernels._checks import check_bool, check_impl
+from rudax._validation import check_bool, check_impl
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -112,7 +112,7 @@ def resolve_impl(impl: str, *, interpret: bool = False) -> Literal["pallas", "xl
       >>> resolve_impl("pallas", interpret=True)
       'pallas'
     """
-    check_bool("interpret", interpret)
+    check_bool("interpret", interpret, allow_numpy=False)
     check_impl(impl)
     on_gpu = _backend() == "gpu"
     if impl == "auto":

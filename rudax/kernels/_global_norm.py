@@ -31,8 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from rudax._validation import check_bool, check_floating_leaves, check_power_of_two_fields
 from rudax.kernels import _compat
-from rudax.kernels._checks import check_block, check_bool, check_power_of_two
+from rudax.kernels._blocks import check_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,7 @@ class GlobalNormBlock:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            check_power_of_two(field.name, getattr(self, field.name))
+        check_power_of_two_fields(self)
 
 
 def _stats_kernel(grad_ref, squares_ref, probe_ref, *, num_elements, chunk, sub) -> None:
@@ -131,16 +131,7 @@ def _global_norm_and_finite(leaves, *, hierarchical, impl, interpret, block):
 
 
 def _floating_leaves(grads: Any) -> list[jax.Array]:
-    leaves = []
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        g = jnp.asarray(g)
-        if not jnp.issubdtype(g.dtype, jnp.floating):
-            raise TypeError(
-                f"gradient {jax.tree_util.keystr(path)} must have a floating dtype, "
-                f"got dtype={g.dtype}"
-            )
-        leaves.append(g)
-    return leaves
+    return check_floating_leaves("gradient", jax.tree.map(jnp.asarray, grads))
 
 
 def global_norm_and_finite(
@@ -188,7 +179,7 @@ def global_norm_and_finite(
     References:
       PyTorch, ``torch.nn.utils.clip_grad_norm_`` (the norm).
     """
-    check_bool("hierarchical", hierarchical)
+    check_bool("hierarchical", hierarchical, allow_numpy=False)
     check_block(block, GlobalNormBlock)
     if block is None:
         block = GlobalNormBlock()

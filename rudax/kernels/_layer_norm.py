@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from rudax.kernels import _rowwise
-from rudax.kernels._checks import check_block, check_static_positive
 from rudax.kernels._rowwise import RowBlock
 
 
@@ -176,15 +175,8 @@ def layer_norm(
     References:
       Ba, Kiros and Hinton, "Layer Normalization", arXiv:1607.06450, 2016.
     """
-    _rowwise.check_input(x)
-    _rowwise.check_vector("scale", scale, x)
-    if bias is not None:
-        _rowwise.check_vector("bias", bias, x)
-    epsilon = check_static_positive("epsilon", epsilon)
-    check_block(block, RowBlock)
-    path = _rowwise.choose_path(impl, interpret, x)
-    if block is None:
-        block = _rowwise.default_block(x.size // x.shape[-1], x.shape[-1])
+    vectors = {"scale": scale} if bias is None else {"scale": scale, "bias": bias}
+    epsilon, path, block = _rowwise.check_arguments(x, vectors, epsilon, impl, interpret, block)
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     return _layer_norm_jit(x, scale, bias, _Static(epsilon, path, interpret, block, bias_dtype))
 

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from rudax.kernels import _rowwise
-from rudax.kernels._checks import check_block, check_static_positive
 from rudax.kernels._rowwise import RowBlock
 
 
@@ -157,13 +156,9 @@ def rms_norm(
     References:
       Zhang and Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.
     """
-    _rowwise.check_input(x)
-    _rowwise.check_vector("scale", scale, x)
-    epsilon = check_static_positive("epsilon", epsilon)
-    check_block(block, RowBlock)
-    path = _rowwise.choose_path(impl, interpret, x)
-    if block is None:
-        block = _rowwise.default_block(x.size // x.shape[-1], x.shape[-1])
+    epsilon, path, block = _rowwise.check_arguments(
+        x, {"scale": scale}, epsilon, impl, interpret, block
+    )
     return _rms_norm_jit(x, scale, _Static(epsilon, path, interpret, block))
 
 

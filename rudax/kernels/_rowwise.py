@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from rudax._validation import check_positive, check_positive_int, check_power_of_two
 from rudax.kernels import _compat
-from rudax.kernels._checks import check_positive_int, check_power_of_two
+from rudax.kernels._blocks import check_block
 
 # Features per row the Pallas path takes: one row must fit one block in registers. Wider
 # rows run the XLA path under impl="auto"; impl="pallas" refuses them.
@@ -59,7 +60,7 @@ class RowBlock:
         check_positive_int("programs", self.programs)
 
 
-def default_block(num_rows: int, features: int) -> RowBlock:
+def _default_block(num_rows: int, features: int) -> RowBlock:
     """About ``_BLOCK_ELEMENTS`` elements per block, no more rows than there are."""
     cols = pl.next_power_of_2(features)
     rows = max(1, min(_BLOCK_ELEMENTS // cols, pl.next_power_of_2(max(num_rows, 1))))
@@ -67,7 +68,7 @@ def default_block(num_rows: int, features: int) -> RowBlock:
     return RowBlock(rows=rows, num_warps=warps)
 
 
-def check_input(x: Any) -> None:
+def _check_input(x: Any) -> None:
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"x must be a floating array, got dtype={dtype} for x")
@@ -75,7 +76,7 @@ def check_input(x: Any) -> None:
         raise ValueError(f"x must have a non-empty last (feature) axis, got x.shape={x.shape}")
 
 
-def check_vector(name: str, v: Any, x: Any) -> None:
+def _check_vector(name: str, v: Any, x: Any) -> None:
     """A per-feature parameter: shape (features,), dtype x's or float32."""
     dtype = getattr(v, "dtype", None)
     if dtype is None or jnp.dtype(dtype) not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
@@ -90,7 +91,7 @@ def check_vector(name: str, v: Any, x: Any) -> None:
         )
 
 
-def choose_path(impl: str, interpret: bool, x: jax.Array) -> str:
+def _choose_path(impl: str, interpret: bool, x: jax.Array) -> str:
     """resolve_impl, then XLA for rows too wide for one block (or an error if forced)."""
     path = _compat.resolve_impl(impl, interpret=interpret)
     if path == "pallas" and x.shape[-1] > MAX_FEATURES:
@@ -103,6 +104,29 @@ def choose_path(impl: str, interpret: bool, x: jax.Array) -> str:
     if path == "pallas" and x.size == 0:
         return "xla"  # no rows: nothing for a kernel to do, and no grid to launch
     return path
+
+
+def check_arguments(
+    x: Any,
+    vectors: dict[str, Any],
+    epsilon: Any,
+    impl: str,
+    interpret: bool,
+    block: RowBlock | None,
+) -> tuple[float, str, RowBlock]:
+    """A norm's argument checks; returns (epsilon as a float, the path, the block to use).
+
+    ``vectors`` maps the name of each per-feature parameter given to it.
+    """
+    _check_input(x)
+    for name, v in vectors.items():
+        _check_vector(name, v, x)
+    epsilon = check_positive("epsilon", epsilon, accept="static")
+    check_block(block, RowBlock)
+    path = _choose_path(impl, interpret, x)
+    if block is None:
+        block = _default_block(x.size // x.shape[-1], x.shape[-1])
+    return epsilon, path, block
 
 
 def _masks(program: Any, block_rows: int, block_cols: int, num_rows: int, features: int):

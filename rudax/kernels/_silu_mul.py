@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from rudax._validation import check_power_of_two_fields
 from rudax.kernels import _compat
-from rudax.kernels._blocks import block_size_for, load_block, tail_mask
-from rudax.kernels._checks import check_block, check_power_of_two
+from rudax.kernels._blocks import block_size_for, check_block, load_block, tail_mask
 
 # The Triton lowering computes a block's start, program_id * block_size, in int32: with 1-D
 # blocks that overflows past 2**31 - 1 elements, so larger arrays take the XLA path.
@@ -45,8 +45,7 @@ class SiluMulBlock:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            check_power_of_two(field.name, getattr(self, field.name))
+        check_power_of_two_fields(self)
 
 
 def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:

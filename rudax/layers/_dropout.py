@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from rudax.layers._validation import check_bool, check_rate
+from rudax._validation import check_bool
+from rudax.layers._validation import check_rate
 
 
 class Dropout(nnx.Module):

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rudax._validation import STORAGE_DTYPES
 from rudax.layers._lora import Frozen
 
 M = TypeVar("M", bound=nnx.Module)
-
-_STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def to_dtype(model: M, dtype: Any, *, only: Any = (nnx.Param, Frozen)) -> M:
@@ -65,7 +64,7 @@ def to_dtype(model: M, dtype: Any, *, only: Any = (nnx.Param, Frozen)) -> M:
         target = jnp.dtype(dtype)
     except TypeError as e:
         raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype=}") from e
-    if target not in _STORAGE_DTYPES:
+    if target not in STORAGE_DTYPES:
         raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype=}")
 
     def convert(path: tuple, value: Any) -> Any:

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rudax.layers._validation import check_features, check_positive_int, float_dtype
+from rudax._validation import check_positive_int, float_dtype
+from rudax.layers._validation import check_features
 
 # flax's nnx.Embed default: N(0, 1/features), the fan-in taken over the feature axis.
 _DEFAULT_EMBEDDING_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from rudax.layers._validation import check_bool, check_features, check_positive_int, float_dtype
+from rudax._validation import check_bool, check_positive_int, float_dtype
+from rudax.layers._validation import check_features
 
 # flax's default for dense kernels: a normal truncated at ±2 std, scaled to variance 1/in.
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()

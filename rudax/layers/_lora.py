@@ -9,15 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rudax._validation import check_positive, check_positive_int, float_dtype
 from rudax.layers._dropout import Dropout
 from rudax.layers._linear import Linear
-from rudax.layers._validation import (
-    check_features,
-    check_positive,
-    check_positive_int,
-    check_rate,
-    float_dtype,
-)
+from rudax.layers._validation import check_features, check_rate
 
 _SCALE_RULES = ("alpha/rank", "alpha/sqrt(rank)")
 
@@ -123,7 +118,7 @@ class LoRALinear(nnx.Module):
         if not isinstance(base, Linear):
             raise TypeError(f"base must be a rudax.layers.Linear, got {base=}")
         check_positive_int("rank", rank)
-        alpha = check_positive("alpha", alpha)
+        alpha = check_positive("alpha", alpha, accept="concrete")
         dropout = check_rate("dropout", dropout)
         if scale_rule not in _SCALE_RULES:
             raise ValueError(f"scale_rule must be one of {_SCALE_RULES}, got {scale_rule=}")

@@ -9,15 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rudax._validation import check_bool, check_impl, check_positive_int, float_dtype
 from rudax.kernels import silu_mul
 from rudax.layers._linear import DEFAULT_KERNEL_INIT, Linear
-from rudax.layers._validation import (
-    check_bool,
-    check_features,
-    check_impl,
-    check_positive_int,
-    float_dtype,
-)
+from rudax.layers._validation import check_features
 
 
 class GatedMLP(nnx.Module):
@@ -83,7 +78,8 @@ class GatedMLP(nnx.Module):
             raise TypeError(f"activation must be callable, got {activation=}")
         check_bool("use_bias", use_bias)
         dtype = float_dtype("dtype", dtype)
-        check_impl(impl, interpret)
+        check_impl(impl)
+        check_bool("interpret", interpret)
         self.features = features
         self.hidden_features = hidden_features
         self.activation = activation

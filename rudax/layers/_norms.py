@@ -8,15 +8,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rudax.kernels import layer_norm, rms_norm
-from rudax.layers._validation import (
+from rudax._validation import (
     check_bool,
-    check_features,
     check_impl,
     check_positive,
     check_positive_int,
     float_dtype,
 )
+from rudax.kernels import layer_norm, rms_norm
+from rudax.layers._validation import check_features
 
 
 def _affine(param: nnx.Param, dtype: jnp.dtype) -> jax.Array:
@@ -81,10 +81,11 @@ class RMSNorm(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ):
         check_positive_int("features", features)
-        self.epsilon = check_positive("epsilon", epsilon)
+        self.epsilon = check_positive("epsilon", epsilon, accept="concrete")
         self.dtype = float_dtype("dtype", dtype)
         param_dtype = float_dtype("param_dtype", param_dtype, allow_none=False)
-        check_impl(impl, interpret)
+        check_impl(impl)
+        check_bool("interpret", interpret)
         self.features = features
         self.impl = impl
         self.interpret = interpret
@@ -153,11 +154,12 @@ class LayerNorm(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ):
         check_positive_int("features", features)
-        self.epsilon = check_positive("epsilon", epsilon)
+        self.epsilon = check_positive("epsilon", epsilon, accept="concrete")
         check_bool("use_bias", use_bias)
         self.dtype = float_dtype("dtype", dtype)
         param_dtype = float_dtype("param_dtype", param_dtype, allow_none=False)
-        check_impl(impl, interpret)
+        check_impl(impl)
+        check_bool("interpret", interpret)
         self.features = features
         self.impl = impl
         self.interpret = interpret

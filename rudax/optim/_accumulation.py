@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rudax.optim._validation import check_bool, check_float_dtype, check_non_negative
+from rudax._validation import check_bool, check_non_negative, float_dtype
 
 
 def _mismatch(expected: Any, got: Any) -> str:
@@ -111,7 +111,7 @@ class GradientAccumulator:
         Returns:
           A ``GradientAccumulator`` with zero sums, ``count == 0`` and ``total_weight == 0``.
         """
-        check_float_dtype("dtype", dtype)
+        float_dtype("dtype", dtype, none_in_message=True)
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 raise TypeError(

@@ -18,14 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rudax._validation import check_bool, check_in_range, check_non_negative
 from rudax.optim._precision import as_weak, map_in_compute_dtype
 from rudax.optim._torch_chain import torch_chain
-from rudax.optim._validation import (
-    check_bool,
-    check_in_range,
-    check_learning_rate,
-    check_non_negative,
-)
+from rudax.optim._validation import check_learning_rate
 
 
 def _log(decay: Any) -> Any:

@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rudax._validation import check_in_range, check_non_negative
 from rudax.optim._precision import (
     as_weak,
     map_in_compute_dtype,
     scale_by_learning_rate,
     with_moment_dtype,
 )
-from rudax.optim._validation import check_in_range, check_learning_rate, check_non_negative
+from rudax.optim._validation import check_learning_rate
 
 
 class ScaleByAdanState(NamedTuple):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._validation import check_floating_leaves, check_positive
+from rudax._validation import check_floating_leaves, check_positive
 
 # torch adds this to the norm before dividing, so a zero gradient never divides by zero.
 _NORM_EPS = 1e-6

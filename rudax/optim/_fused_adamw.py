@@ -5,7 +5,7 @@ adamw)))`` computes, but as two reads of the gradients instead of one per transf
 global norm and the finite check together (``rudax.kernels.global_norm_and_finite``), then one
 pass per parameter array over parameter, gradient, moments and master
 (``rudax.kernels.adamw_update``). The kernels and the reasons for this layout are described in
-``rudax/kernels/_adamw.py``.
+``rudax/kernels/_adamw.py`` and ``_adamw_leaves.py``.
 
 The skip is not ``skip_nonfinite``'s ``lax.cond``: the finite flag goes into the update pass
 as one more per-step scalar, and each element selects its old value when it is set. A
@@ -23,21 +23,19 @@ import jax.numpy as jnp
 import optax
 
 import rudax.kernels as rk
-from rudax.kernels._adamw import adamw_update_leaves
-from rudax.kernels._checks import check_impl
-from rudax.optim._clipping import clip_coefficient
-from rudax.optim._precision import as_weak
-from rudax.optim._validation import (
+from rudax._validation import (
     check_bool,
-    check_float_dtype,
     check_floating_leaves,
+    check_impl,
     check_in_range,
-    check_learning_rate,
     check_non_negative,
     check_positive,
+    float_dtype,
 )
-
-_STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+from rudax.kernels._adamw_leaves import adamw_update_leaves
+from rudax.optim._clipping import clip_coefficient
+from rudax.optim._precision import as_weak
+from rudax.optim._validation import check_learning_rate, check_storage_dtypes
 
 
 class FusedAdamWState(NamedTuple):
@@ -50,18 +48,6 @@ class FusedAdamWState(NamedTuple):
     global_norm: jax.Array  # shape=(), float32: pre-clip global L2 norm of the last gradients
     skipped: jax.Array  # shape=(), bool: True if the last update was skipped
     num_skipped: jax.Array  # shape=(), int32: updates skipped since init
-
-
-def _check_params(params: Any) -> None:
-    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-        dtype = jnp.result_type(p)
-        if dtype not in _STORAGE_DTYPES:
-            raise TypeError(
-                f"fused_adamw: parameter {jax.tree_util.keystr(path)} has dtype={dtype}; "
-                "supported storage dtypes are bfloat16, float16 and float32. Leave other "
-                "leaves (integer buffers, keys) out of the optimized tree, e.g. with "
-                "nnx.state(model, nnx.Param) or optax.masked."
-            )
 
 
 def _check_shapes(grads: Any, params: Any) -> None:
@@ -174,7 +160,7 @@ def fused_adamw(
     if max_grad_norm is not None:
         check_positive("max_grad_norm", max_grad_norm)
     check_bool("skip_nonfinite", skip_nonfinite)
-    check_float_dtype("master_dtype", master_dtype)
+    float_dtype("master_dtype", master_dtype, none_in_message=True)
     if master_dtype is not None and jnp.dtype(master_dtype) != jnp.float32:
         raise ValueError(f"master_dtype must be jnp.float32 or None, got {master_dtype=}")
     check_bool("hierarchical_stats", hierarchical_stats)
@@ -187,7 +173,7 @@ def fused_adamw(
         return with_masters and jnp.result_type(p) != jnp.float32
 
     def init_fn(params: Any) -> FusedAdamWState:
-        _check_params(params)
+        check_storage_dtypes("fused_adamw", params)
         moment_dtype = (lambda p: jnp.float32) if with_masters else jnp.result_type
         zeros = lambda: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), moment_dtype(p)), params)
         # A copy: a master that aliased its parameter would make donating (params, state) to
@@ -211,7 +197,7 @@ def fused_adamw(
     ) -> tuple[Any, FusedAdamWState]:
         if params is None:
             raise ValueError("fused_adamw: update needs params (the stored parameters)")
-        _check_params(params)
+        check_storage_dtypes("fused_adamw", params)
         check_floating_leaves("fused_adamw: gradient", updates)
         _check_shapes(updates, params)
         param_leaves, treedef = jax.tree.flatten(params)

@@ -24,15 +24,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._linesearch import check_wolfe_constants, scale_by_strong_wolfe
-from rudax.optim._precision import compute_dtype, scale_by_learning_rate
-from rudax.optim._validation import (
-    check_float_dtype,
+from rudax._validation import (
     check_floating_leaves,
-    check_learning_rate,
     check_non_negative,
     check_positive_int,
+    float_dtype,
 )
+from rudax.optim._linesearch import check_wolfe_constants, scale_by_strong_wolfe
+from rudax.optim._precision import compute_dtype, scale_by_learning_rate
+from rudax.optim._validation import check_learning_rate
 
 # torch's threshold for keeping an (s, y) pair: below it the pair would make the inverse-Hessian
 # approximation indefinite or blow up 1 / (y.s). Absolute, as in torch.
@@ -174,7 +174,7 @@ def scale_by_lbfgs(
     check_positive_int("history_size", history_size)
     check_non_negative("tolerance_grad", tolerance_grad)
     check_non_negative("tolerance_change", tolerance_change)
-    check_float_dtype("history_dtype", history_dtype)
+    float_dtype("history_dtype", history_dtype, none_in_message=True)
 
     def init_fn(params: optax.Params) -> ScaleByLBFGSState:
         if not jax.tree.leaves(params):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._validation import check_in_range, check_positive_int
+from rudax._validation import check_in_range, check_positive_int
 
 # Near a minimum, f(x + t u) - f(x) drops below the objective's rounding error (about 1e-7 |f|
 # in fp32) before the gradient does, and an exact sufficient-decrease test then rejects every

@@ -15,13 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rudax._validation import check_in_range, check_positive, check_positive_int
 from rudax.optim._nonfinite import all_finite, update_unless_skipped
-from rudax.optim._validation import (
-    check_in_range,
-    check_positive,
-    check_positive_int,
-    check_transformation,
-)
+from rudax.optim._validation import check_transformation
 
 
 class DynamicLossScaleState(NamedTuple):

@@ -36,11 +36,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rudax._validation import check_positive
 from rudax.kernels._rounding import storage_update
 from rudax.optim._clipping import clip_leaf_by_norm
-from rudax.optim._validation import check_positive, check_transformation
-
-_STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+from rudax.optim._validation import check_storage_dtypes, check_transformation
 
 
 class Fp32MasterState(NamedTuple):
@@ -48,18 +47,6 @@ class Fp32MasterState(NamedTuple):
 
     master: Any  # like params, every leaf float32: the parameters at full precision
     inner_state: Any  # the inner optimizer's state, built on and updated with the masters
-
-
-def _check_storage_dtypes(params: Any) -> None:
-    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-        dtype = jnp.result_type(p)
-        if dtype not in _STORAGE_DTYPES:
-            raise TypeError(
-                f"fp32_master: parameter {jax.tree_util.keystr(path)} has dtype={dtype}; "
-                "supported storage dtypes are bfloat16, float16 and float32. Leave other "
-                "leaves (integer buffers, keys) out of the optimized tree, e.g. with "
-                "nnx.state(model, nnx.Param) or optax.masked."
-            )
 
 
 def fp32_master(
@@ -124,7 +111,7 @@ def fp32_master(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> Fp32MasterState:
-        _check_storage_dtypes(params)
+        check_storage_dtypes("fp32_master", params)
         # A copy even for fp32 leaves: a master aliasing its parameter would make donating
         # (params, opt_state) to a jitted step donate one buffer twice.
         master = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params)
@@ -135,7 +122,7 @@ def fp32_master(
     ) -> tuple[Any, Fp32MasterState]:
         if params is None:
             raise ValueError("fp32_master: update needs params (the stored parameters)")
-        _check_storage_dtypes(params)
+        check_storage_dtypes("fp32_master", params)
         grads = jax.tree.map(lambda g: jnp.asarray(g).astype(jnp.float32), updates)
         if gradient_scale is not None:
             scale = jnp.asarray(gradient_scale).astype(jnp.float32)

@@ -11,19 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rudax.optim._adam import adamw
-from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
-from rudax.optim._torch_chain import torch_chain
-from rudax.optim._validation import (
+from rudax._validation import (
     check_bool,
     check_finite,
-    check_float_dtype,
     check_in_range,
-    check_learning_rate,
     check_non_negative,
     check_positive,
     check_positive_int,
+    float_dtype,
 )
+from rudax.optim._adam import adamw
+from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
+from rudax.optim._torch_chain import torch_chain
+from rudax.optim._validation import check_learning_rate
 
 # Keller Jordan's quintic, as torch.optim.Muon: maximal slope at zero, so few steps suffice;
 # singular values land in a band around 1 rather than exactly on it, which does not hurt.
@@ -159,7 +159,7 @@ def scale_by_muon(
         )
     if matrix_layout not in _LAYOUTS:
         raise ValueError(f"matrix_layout must be 'in_out' or 'out_in', got {matrix_layout=}")
-    check_float_dtype("ns_dtype", ns_dtype)
+    float_dtype("ns_dtype", ns_dtype, none_in_message=True)
     if ns_dtype is None:
         raise TypeError(f"ns_dtype must be a floating dtype, got {ns_dtype=}")
     momentum, eps = as_weak(momentum), as_weak(eps)

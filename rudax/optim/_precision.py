@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rudax.optim._validation import check_float_dtype, check_floating_leaves
+from rudax._validation import check_floating_leaves, float_dtype
 
 
 def as_weak(value: Any) -> Any:
@@ -108,7 +108,7 @@ def with_moment_dtype(
       arguments go to ``inner``. A parameter or gradient leaf without a floating dtype is a
       TypeError naming its path.
     """
-    check_float_dtype("moment_dtype", moment_dtype)
+    float_dtype("moment_dtype", moment_dtype, none_in_message=True)
     stored = None if moment_dtype is None else jnp.dtype(moment_dtype)
     inner = optax.with_extra_args_support(inner)
 

@@ -15,7 +15,6 @@ count and so need standard promotion.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -33,7 +32,7 @@ from optax import piecewise_constant_schedule as piecewise_constant_schedule
 from optax import polynomial_schedule as polynomial_schedule
 from optax import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 
-from rudax.optim._validation import check_finite, check_positive, check_positive_int
+from rudax._validation import check_finite, check_int, check_positive, check_positive_int
 
 # A count past this cannot be represented by the int32 count optax's transforms keep.
 _MAX_COUNT = 2**31 - 1
@@ -50,8 +49,7 @@ def _int32_count(count: Any) -> jax.Array:
 
 
 def _check_step_count(name: str, value: Any, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {name}={value!r}")
+    check_int(name, value)
     low = 0 if allow_zero else 1
     if not low <= value <= _MAX_COUNT:
         raise ValueError(f"{name} must be an int in [{low}, {_MAX_COUNT}], got {name}={value!r}")

@@ -14,14 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rudax._validation import check_bool, check_in_range, check_non_negative
 from rudax.optim._precision import as_weak, map_in_compute_dtype
 from rudax.optim._torch_chain import static_nonzero, torch_chain
-from rudax.optim._validation import (
-    check_bool,
-    check_in_range,
-    check_learning_rate,
-    check_non_negative,
-)
+from rudax.optim._validation import check_learning_rate
 
 
 class ScaleByTorchMomentumState(NamedTuple):

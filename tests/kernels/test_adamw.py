@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import rudax.kernels as rk
-from rudax.kernels._adamw import adamw_update_leaves
+from rudax.kernels._adamw_leaves import adamw_update_leaves
 from tests.kernels._lowering import assert_lowers_for_gpu
 
 # Pallas runs compiled on a GPU (benchmarks/gpu_check.sh), interpreted elsewhere.
