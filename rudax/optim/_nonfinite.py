@@ -1,11 +1,16 @@
 """Skipping updates whose gradients are not finite, and the skip machinery loss scaling shares.
 
 A skipped update must leave the optimizer exactly where it was: step counts (so schedules do
-not advance), moments, fp32 masters. The inner update therefore runs under ``lax.cond`` and
-only when every gradient is finite; on a skipped step the inner state is passed through
-untouched and the updates are ``-0.0``. Negative zero, not ``+0.0``, because it is IEEE's
-exact additive identity: ``p + (-0.0) == p`` bit for bit for every ``p``, while
-``-0.0 + 0.0 == +0.0`` would flip the sign bit of a parameter stored as ``-0.0``.
+not advance), moments, fp32 masters. The inner update runs under ``lax.cond``, only when
+every gradient is finite; on a skipped step the inner state is passed through untouched and
+the updates are ``-0.0``. Measured on CPU (16M fp32 parameters, clip + AdamW, donated), the
+cond costs 2.6x the unchecked step; selecting per element from an always-computed update was
+slower still (3.2x: XLA re-fuses the inner arithmetic into each select and copies the
+moments). ``rudax.optim.fused_adamw`` puts the skip inside its single update pass instead.
+
+Negative zero, not ``+0.0``, because it is IEEE's exact additive identity: ``p + (-0.0) == p``
+bit for bit for every ``p``, while ``-0.0 + 0.0 == +0.0`` would flip the sign bit of a
+parameter stored as ``-0.0``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from rudax.optim._validation import check_transformation
 
@@ -31,10 +35,13 @@ class SkipNonfiniteState(NamedTuple):
 
 def all_finite(tree: Any) -> jax.Array:
     """A bool scalar: whether every element of every leaf is finite (True for no leaves)."""
-    per_leaf = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    if not per_leaf:
+    # sum(x * 0) is NaN exactly when some element is inf or NaN (inf * 0 = NaN), and is one
+    # plain vectorized float reduction; a boolean all() over isfinite runs as a slow cascade
+    # of predicate reductions on XLA:CPU.
+    sums = [jnp.sum(jnp.asarray(x) * 0, dtype=jnp.float32) for x in jax.tree.leaves(tree)]
+    if not sums:
         return jnp.asarray(True)
-    return jnp.all(jnp.stack(per_leaf))
+    return jnp.isfinite(sum(sums))
 
 
 def update_unless_skipped(
@@ -54,7 +61,7 @@ def update_unless_skipped(
         zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
         return zeros, inner_state
 
-    return lax.cond(finite, apply_fn, skip, grads, inner_state)
+    return jax.lax.cond(finite, apply_fn, skip, grads, inner_state)
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

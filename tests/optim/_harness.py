@@ -18,6 +18,7 @@ tests share.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 import jax
@@ -190,3 +191,35 @@ def assert_bf16_update(
     assert update._cache_size() == 1, "the second update recompiled"
     assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
     assert_buffers(state)
+
+
+def conditionals(tx, params, grads, *, compiled: bool) -> int:
+    """How many conditionals a jitted step of tx holds: jaxpr `cond`s, or compiled HLO ones."""
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    args = (params, tx.init(params), grads)
+    if compiled:
+        return step.lower(*args).compile().as_text().count("conditional(")
+    return len(re.findall(r"\bcond\[", str(jax.make_jaxpr(step)(*args))))
+
+
+def skip_by_cond(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """A non-finite skip written with lax.cond: the control that `conditionals` can see one."""
+
+    def update(updates, state, params=None):
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]))
+
+        def apply(updates, state):
+            return inner.update(updates, state, params)
+
+        def skip(updates, state):
+            shapes, _ = jax.eval_shape(apply, updates, state)
+            return jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes), state
+
+        return jax.lax.cond(finite, apply, skip, updates, state)
+
+    return optax.GradientTransformation(inner.init, update)
