@@ -25,7 +25,10 @@ def test_docstring_examples(name):
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
 
 
-@pytest.mark.parametrize("package", ["rudax.optim", "rudax.layers", "rudax.kernels"])
+PACKAGES = ["rudax.optim", "rudax.layers", "rudax.kernels", "rudax.sharding"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
 def test_public_names_are_documented(package):
     module = importlib.import_module(package)
     assert module.__all__, f"{package}.__all__ is empty"

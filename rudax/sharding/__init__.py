@@ -1,3 +1,21 @@
-"""rudax.sharding: not yet built; its public names arrive with their issue (README's roadmap)."""
+"""rudax.sharding: collectives, data parallel and FSDP training over ``jax.sharding`` meshes.
 
-__all__: list[str] = []
+Everything here runs inside ``jax.shard_map`` over a ``jax.sharding.Mesh`` (Auto axes from
+``jax.sharding.Mesh(...)`` or Explicit axes from ``jax.make_mesh``) and is differentiable.
+"""
+
+# Public names, re-exported one per line (``from rudax.sharding._x import a as a``), each in
+# its block below, and listed again, sorted, in __all__.
+
+# [block: collectives]
+from rudax.sharding import collectives as collectives
+
+# [block: data_parallel]
+from rudax.sharding._data_parallel import DataParallel as DataParallel
+from rudax.sharding._data_parallel import MissingGradientPolicy as MissingGradientPolicy
+
+__all__ = [
+    "DataParallel",
+    "MissingGradientPolicy",
+    "collectives",
+]
