@@ -14,8 +14,16 @@ from rudax.sharding import collectives as collectives
 from rudax.sharding._data_parallel import DataParallel as DataParallel
 from rudax.sharding._data_parallel import MissingGradientPolicy as MissingGradientPolicy
 
+# [block: fsdp]
+from rudax.sharding._fsdp import ShardedModule as ShardedModule
+from rudax.sharding._fsdp import ShardingContext as ShardingContext
+from rudax.sharding._sharded_parameter import ShardedParameter as ShardedParameter
+
 __all__ = [
     "DataParallel",
     "MissingGradientPolicy",
+    "ShardedModule",
+    "ShardedParameter",
+    "ShardingContext",
     "collectives",
 ]

@@ -1,0 +1,220 @@
+"""FSDP: rudax.layers modules whose parameters live as ShardedParameters, gathered when called.
+
+A sharded module keeps the original layer's ``nnx.GraphDef`` (its code and static settings)
+and, for each of its variables, a variable of the same type (``nnx.Param`` or
+``rudax.layers.Frozen``) holding a ``ShardedParameter``. Calling it inside ``shard_map``
+gathers every parameter, rebuilds the layer with ``nnx.merge`` and calls it: the arithmetic is
+the layer's own (kernels, dtypes, checks), never a second copy of it.
+
+Tied parameters: the context remembers which sharded variable it made for each original
+variable, so a variable shared by two layers (``TiedProjection`` and its ``Embedding``) becomes
+one sharded variable shared by both sharded layers; ``nnx.split`` of a model holding them then
+has one leaf for it and ``jax.grad`` sums both uses into it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+import rudax.layers as rl
+from rudax._validation import float_dtype
+from rudax.sharding._sharded_parameter import ShardedParameter, _axis_size
+
+_SHARDABLE = (nnx.Param, rl.Frozen)
+
+
+class ShardedModule(nnx.Module):
+    """A layer whose parameters are sharded; calling it inside ``shard_map`` gathers them.
+
+    ``y = layer(x)`` with every parameter replaced by ``p.gather(compute_dtype)``: built by
+    ``ShardingContext``, not directly.
+
+    Args:
+      graphdef: the original layer's graph definition.
+      paths: each variable's path in the layer's state, in the order of ``variables``.
+      variables: the sharded variables (values are ``ShardedParameter``).
+      compute_dtype: dtype the parameters are cast to before the gather; None keeps storage.
+
+    Returns:
+      A module; ``module(*args, **kwargs)`` returns what the layer returns.
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        paths: tuple[tuple[Any, ...], ...],
+        variables: list[nnx.Variable],
+        compute_dtype: Any = None,
+    ):
+        self.graphdef = graphdef
+        self.paths = paths
+        self.variables = nnx.List(variables)
+        self.compute_dtype = compute_dtype
+
+    def gathered(self) -> nnx.Module:
+        """The original layer with its logical parameter values (inside ``shard_map``)."""
+        flat = [
+            (path, type(var)(var.get_value().gather(self.compute_dtype)))
+            for path, var in zip(self.paths, self.variables, strict=True)
+        ]
+        return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.gathered()(*args, **kwargs)
+
+
+class ShardingContext:
+    """Converts loaded ``rudax.layers`` modules to FSDP modules sharded over one mesh axis.
+
+    Every floating ``nnx.Param`` and ``rudax.layers.Frozen`` of a converted layer becomes a
+    ``ShardedParameter`` (flat, padded, 1/N per device) inside a variable of the same type, so
+    ``nnx.split(model, nnx.Param, ...)`` still separates trainable from frozen parameters. A
+    train step runs the model inside ``jax.shard_map`` with ``in_specs=P(axis_name)`` for the
+    parameter state (every leaf is a flat vector split on its only axis); the gradients that
+    come out are already the reduce-scattered gradients of the sum of the ranks' local losses,
+    sharded like the parameters, ready for an elementwise ``rudax.optim`` optimizer.
+
+    ``compute_dtype`` (keyword on every method) casts parameters before the gather, so the
+    all-gather and the gradient's reduce-scatter run in that dtype; storage is unchanged and
+    the layer computes as it would with parameters stored in that dtype.
+
+    Ties are recognised by identity, so the context keeps a reference to every variable it
+    converted: drop it (and the original modules) once the model is built, to free the full
+    values.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes).
+      axis_name: the mesh axis to shard over.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jax.sharding import PartitionSpec as P
+      >>> import rudax.layers as rl, rudax.sharding as rs
+      >>> mesh = jax.sharding.Mesh(jax.devices(), ("fsdp",))
+      >>> ctx = rs.ShardingContext(mesh)
+      >>> lin = ctx.linear(rl.Linear(3, 5, rngs=nnx.Rngs(0)))
+      >>> graphdef, params = nnx.split(lin)
+      >>> f = lambda p, x: nnx.merge(graphdef, p)(x)
+      >>> y = jax.shard_map(f, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P("fsdp"))(
+      ...     params, jnp.ones((jax.device_count(), 3)))
+      >>> y.shape
+      (8, 5)
+
+    References:
+      Zhao et al., `PyTorch FSDP <https://arxiv.org/abs/2304.11277>`_, 2023.
+    """
+
+    def __init__(self, mesh: Mesh, axis_name: str = "fsdp"):
+        self.num_shards = _axis_size(mesh, axis_name)
+        self.mesh = mesh
+        self.axis_name = axis_name
+        # id(original variable) -> (original, sharded variable); the original is kept alive so
+        # its id cannot be reused by another object.
+        self._converted: dict[int, tuple[nnx.Variable, nnx.Variable]] = {}
+
+    def parameter(self, p: nnx.Variable) -> nnx.Variable:
+        """p's value as a ``ShardedParameter`` in a variable of p's type; one per p (ties kept)."""
+        if not isinstance(p, _SHARDABLE):
+            raise TypeError(f"p must be an nnx.Param or rudax.layers.Frozen, got {p!r}")
+        value = p.get_value()
+        if not isinstance(value, jax.Array | np.ndarray) or not jnp.issubdtype(
+            value.dtype, jnp.floating
+        ):
+            raise TypeError(f"p must hold a floating array, got {type(p).__name__}({value!r})")
+        seen = self._converted.get(id(p))
+        if seen is not None:
+            sharded = seen[1]
+            held = sharded.get_value()
+            if held.logical_shape != value.shape or held.dtype != value.dtype:
+                raise ValueError(
+                    f"tied parameter reused with a different value: first converted with "
+                    f"shape={held.logical_shape}, dtype={held.dtype}; now shape={value.shape}, "
+                    f"dtype={value.dtype}"
+                )
+            if type(sharded) is not type(p):
+                raise ValueError(
+                    f"tied parameter reused with a different trainability: first "
+                    f"{type(sharded).__name__}, now {type(p).__name__}"
+                )
+            return sharded
+        sharded = type(p)(ShardedParameter.from_full(value, self.mesh, self.axis_name))
+        self._converted[id(p)] = (p, sharded)
+        return sharded
+
+    def module(self, layer: nnx.Module, *, compute_dtype: Any = None) -> ShardedModule:
+        """Any ``nnx.Module`` whose variables are all floating Params or Frozen, sharded."""
+        if not isinstance(layer, nnx.Module):
+            raise TypeError(f"layer must be an nnx.Module, got {type(layer).__name__}")
+        compute_dtype = float_dtype("compute_dtype", compute_dtype)
+        graphdef, state = nnx.split(layer)
+        paths, variables = [], []
+        for path, _ in nnx.to_flat_state(state):
+            var = _variable_at(layer, path)
+            if not isinstance(var, _SHARDABLE):
+                raise ValueError(
+                    f"{type(layer).__name__}: variable {_keystr(path)} is a "
+                    f"{type(var).__name__}; only nnx.Param and rudax.layers.Frozen are sharded"
+                )
+            paths.append(path)
+            variables.append(self.parameter(var))
+        return ShardedModule(graphdef, tuple(paths), variables, compute_dtype)
+
+    def _typed(self, name: str, layer: Any, cls: type, compute_dtype: Any) -> ShardedModule:
+        if not isinstance(layer, cls):
+            raise TypeError(f"{name} must be a rudax.layers.{cls.__name__}, got {layer!r}")
+        return self.module(layer, compute_dtype=compute_dtype)
+
+    def linear(self, l: rl.Linear, *, compute_dtype: Any = None) -> ShardedModule:  # noqa: E741
+        """A sharded ``rudax.layers.Linear``."""
+        return self._typed("l", l, rl.Linear, compute_dtype)
+
+    def embedding(self, e: rl.Embedding, *, compute_dtype: Any = None) -> ShardedModule:
+        """A sharded ``rudax.layers.Embedding``."""
+        return self._typed("e", e, rl.Embedding, compute_dtype)
+
+    def tied_projection(
+        self, embedding: rl.Embedding, bias: Any = None, *, compute_dtype: Any = None
+    ) -> ShardedModule:
+        """A sharded ``rudax.layers.TiedProjection(embedding, bias=bias)``, sharing the table."""
+        if not isinstance(embedding, rl.Embedding):
+            raise TypeError(f"embedding must be a rudax.layers.Embedding, got {embedding!r}")
+        return self.module(rl.TiedProjection(embedding, bias=bias), compute_dtype=compute_dtype)
+
+    def rms_norm(self, n: rl.RMSNorm, *, compute_dtype: Any = None) -> ShardedModule:
+        """A sharded ``rudax.layers.RMSNorm``."""
+        return self._typed("n", n, rl.RMSNorm, compute_dtype)
+
+    def layer_norm(self, n: rl.LayerNorm, *, compute_dtype: Any = None) -> ShardedModule:
+        """A sharded ``rudax.layers.LayerNorm``."""
+        return self._typed("n", n, rl.LayerNorm, compute_dtype)
+
+    def gated_mlp(self, m: rl.GatedMLP, *, compute_dtype: Any = None) -> ShardedModule:
+        """A sharded ``rudax.layers.GatedMLP`` (gate, up and down each sharded)."""
+        return self._typed("m", m, rl.GatedMLP, compute_dtype)
+
+    def lora(self, lora_linear: rl.LoRALinear, *, compute_dtype: Any = None) -> ShardedModule:
+        """A sharded ``rudax.layers.LoRALinear``: frozen base and trainable adapter both sharded."""
+        return self._typed("lora_linear", lora_linear, rl.LoRALinear, compute_dtype)
+
+
+def _keystr(path: tuple[Any, ...]) -> str:
+    """An nnx state path as the attribute access it stands for: ``.gate.kernel``, ``[0]``."""
+    keys = [
+        jax.tree_util.SequenceKey(k) if isinstance(k, int) else jax.tree_util.GetAttrKey(k)
+        for k in path
+    ]
+    return jax.tree_util.keystr(tuple(keys))
+
+
+def _variable_at(module: nnx.Module, path: tuple[Any, ...]) -> Any:
+    node = module
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
