@@ -169,15 +169,36 @@ def pallas_call(
 
     Without ``in_specs``/``out_specs`` every kernel sees whole arrays and indexes them itself.
     """
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        interpret=interpret,
-        name=name,
-        compiler_params=gpu_compiler_params(num_warps=num_warps, num_stages=num_stages),
+
+    def call(*args: Any) -> Any:
+        return pl.pallas_call(
+            kernel,
+            out_shape=_typed_like(out_shape, args),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            interpret=interpret,
+            name=name,
+            compiler_params=gpu_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        )(*args)
+
+    return call
+
+
+def _typed_like(out_shape: Any, args: tuple) -> Any:
+    """Gives each output struct the manual-axis type of the most varying input.
+
+    Inside ``shard_map`` (``check_vma=True``) Pallas needs to know how its outputs vary over
+    the mesh axes; the kernels compute per rank on per-rank operands, so their outputs vary
+    as their inputs do. Outside ``shard_map`` the structs are left as they are.
+    """
+    mats = [getattr(jax.typeof(a), "mat", None) for a in jax.tree.leaves(args)]
+    mats = [m for m in mats if m is not None and getattr(m, "varying", None)]
+    if not mats:
+        return out_shape
+    mat = max(mats, key=lambda m: len(m.varying))
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape
     )
 
 
@@ -203,3 +224,31 @@ def store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
         _triton.store(ref, value, mask=mask)
         return
     ref[...] = value if mask is None else jax.numpy.where(mask, value, ref[...])
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map``; empty outside it or without
+    ``check_vma``. jax 0.10 keeps the set in ``aval.mat.varying``, earlier releases in
+    ``aval.vma``."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vary_like(value: Any, *others: Any) -> Any:
+    """``value`` made to vary over every mesh axis that one of ``others`` varies over.
+
+    A custom_vjp's backward must return each cotangent with its primal's type. Inside
+    ``shard_map`` a replicated norm scale meets activations that vary per rank, and its
+    gradient (a sum over this rank's rows) varies too; casting the scale to varying first
+    makes that the primal's type, and the cast's own transpose sums the gradient over the
+    ranks, as the gradient of a replicated parameter must be.
+    """
+    if value is None:
+        return value
+    missing = frozenset().union(*(varying_axes(o) for o in others)) - varying_axes(value)
+    if not missing:
+        return value
+    return jax.lax.pcast(value, tuple(sorted(missing)), to="varying")

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rudax.kernels import _rowwise
+from rudax.kernels import _compat, _rowwise
 from rudax.kernels._rowwise import RowBlock
 
 
@@ -124,6 +124,7 @@ _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 @functools.partial(jax.jit, static_argnames=("s",))
 def _layer_norm_jit(x, scale, bias, s):
+    scale, bias = _compat.vary_like(scale, x), _compat.vary_like(bias, x)
     return _layer_norm(_rowwise.to_rows(x), scale, bias, s).reshape(x.shape)
 
 

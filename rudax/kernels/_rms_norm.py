@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rudax.kernels import _rowwise
+from rudax.kernels import _compat, _rowwise
 from rudax.kernels._rowwise import RowBlock
 
 
@@ -105,6 +105,7 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 @functools.partial(jax.jit, static_argnames=("s",))
 def _rms_norm_jit(x, scale, s):
+    scale = _compat.vary_like(scale, x)
     return _rms_norm(_rowwise.to_rows(x), scale, s).reshape(x.shape)
 
 

@@ -188,6 +188,7 @@ def _check_operands(gate: jax.Array, up: jax.Array) -> None:
 def _silu_mul_jit(
     gate: jax.Array, up: jax.Array, *, impl: str, interpret: bool, block: SiluMulBlock
 ) -> jax.Array:
+    gate, up = _compat.vary_like(gate, up), _compat.vary_like(up, gate)
     return _silu_mul(gate, up, impl, interpret, block)
 
 
