@@ -438,3 +438,94 @@ def test_module_compute_dtype_keeps_storage_and_the_activation_dtype(mesh):
     rounded = lin.kernel.get_value().astype(jnp.bfloat16).astype(jnp.float32)
     np.testing.assert_allclose(np.asarray(y), np.asarray(x @ rounded), rtol=1e-6)
     assert not np.allclose(np.asarray(y), np.asarray(x @ lin.kernel.get_value()), rtol=1e-6)
+
+
+# ------------------------------------------------------------- fp32 masters of bf16 shards
+
+
+def _bf16(layer):
+    for _, var in nnx.to_flat_state(nnx.state(layer)):
+        var.set_value(var.get_value().astype(jnp.bfloat16))
+    return layer
+
+
+def test_fp32_master_on_bf16_shards_matches_one_device_and_stores_rounded_masters():
+    mesh = _mesh("auto")
+    rngs = nnx.Rngs(0)
+    layers = [
+        _bf16(rl.Linear(4, 6, use_bias=True, rngs=rngs)),
+        _bf16(rl.RMSNorm(6, impl="xla")),
+        _bf16(rl.GatedMLP(6, 10, impl="xla", rngs=rngs)),
+    ]
+    ref = nnx.List(layers)
+    ctx = rs.ShardingContext(mesh, AX)
+    # bf16 storage, fp32 gather: the gradient is reduce-scattered in fp32 and rounded to bf16
+    # once, as on one device. (A bf16 gather rounds every rank's partial gradient first; that
+    # differs from one device by bf16 roundings, not by anything fp32_master does.)
+    f32 = dict(compute_dtype=jnp.float32)
+    model = nnx.List(
+        [
+            ctx.linear(layers[0], **f32),
+            ctx.rms_norm(layers[1], **f32),
+            ctx.gated_mlp(layers[2], **f32),
+        ]
+    )
+    x = jax.random.normal(jax.random.key(1), (2 * N, 4))
+    y = jax.random.normal(jax.random.key(2), (2 * N, 6))
+    tx = ro.fp32_master(ro.adamw(1e-2, weight_decay=0.1))
+    total = y.size
+
+    def loss_sum(net, x, y):
+        for layer in net:  # fp32 activations: each layer casts its parameters to them
+            x = layer(x)
+        return jnp.sum((x - y) ** 2) / total  # the global mean: every rank divides by the total
+
+    def make_step(loss_fn):
+        @jax.jit
+        def step(params, opt_state, x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return step
+
+    ref_graph, ref_params = nnx.split(ref)
+    ref_step = make_step(lambda p, x, y: loss_sum(nnx.merge(ref_graph, p), x, y))
+    graph, params = nnx.split(model)
+    local = jax.shard_map(
+        lambda p, x, y: loss_sum(nnx.merge(graph, p), x, y)[None],
+        mesh=mesh,
+        in_specs=P(AX),
+        out_specs=P(AX),
+    )
+    step = make_step(lambda p, x, y: jnp.sum(local(p, x, y)))
+    ref_state, state = tx.init(ref_params), tx.init(params)
+    xs, ys = _put(mesh, x), _put(mesh, y)
+    is_sharded = lambda v: isinstance(v, rs.ShardedParameter)
+    for _ in range(3):
+        ref_params, ref_state, ref_loss = ref_step(ref_params, ref_state, x, y)
+        params, state, loss = step(params, state, xs, ys)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        # Every stored bf16 shard (padding included) is its fp32 master rounded, bit for bit.
+        stored = jax.tree.leaves(params, is_leaf=is_sharded)
+        masters = jax.tree.leaves(state.master, is_leaf=is_sharded)
+        assert len(stored) == len(masters) == 6
+        for p, m in zip(stored, masters, strict=True):
+            assert p.dtype == jnp.bfloat16 and m.dtype == np.float32
+            assert m.local.sharding.is_equivalent_to(p.local.sharding, 1)
+            want = np.asarray(m.local).astype(jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(p.local).view(np.uint16), want.view(np.uint16))
+    nnx.update(ref, ref_params)
+    nnx.update(model, params)
+    expected, got = _reference(ref), _logical(model)
+    assert got.keys() == expected.keys()
+    for path in expected:
+        assert got[path].dtype == expected[path].dtype == jnp.bfloat16
+    got_masters = {
+        (i, *model[i].paths[j]): v.get_value().unshard()
+        for (i, _, j), v in nnx.to_flat_state(state.master)
+    }
+    want_masters = _reference(ref_state.master)
+    assert got_masters.keys() == want_masters.keys() == expected.keys()
+    for path, want in want_masters.items():
+        np.testing.assert_allclose(got_masters[path], want, rtol=1e-5, atol=1e-6, err_msg=path)
