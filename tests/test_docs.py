@@ -25,7 +25,7 @@ def test_docstring_examples(name):
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
 
 
-PACKAGES = ["rudax.optim", "rudax.layers", "rudax.kernels", "rudax.sharding"]
+PACKAGES = ["rudax.optim", "rudax.layers", "rudax.kernels", "rudax.sharding", "rudax.checkpoint"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

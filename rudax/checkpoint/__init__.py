@@ -1,3 +1,9 @@
-"""rudax.checkpoint: not yet built; its public names arrive with their issue (README's roadmap)."""
+"""rudax.checkpoint: the whole training state saved and restored with orbax."""
 
-__all__: list[str] = []
+from rudax.checkpoint._checkpointer import Checkpointer as Checkpointer
+from rudax.checkpoint._record import TrainingRecord as TrainingRecord
+
+__all__ = [
+    "Checkpointer",
+    "TrainingRecord",
+]
