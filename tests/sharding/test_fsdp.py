@@ -163,6 +163,18 @@ def test_bad_input():
 # ---------------------------------------------------------------------------- ShardingContext
 
 
+def _train_step(tx, loss_fn):
+    """One jitted optimizer step on loss_fn(params, *batch); returns (params, state, loss)."""
+
+    @jax.jit
+    def step(params, opt_state, *batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def _logical(model):
     """{(module index, *layer path): logical value} of a list of ShardedModules."""
     return {
@@ -198,17 +210,8 @@ def test_adamw_on_sharded_mlp_matches_one_device():
             x = layer(x)
         return jnp.sum((x - y) ** 2) / total  # the global mean: every rank divides by the total
 
-    def make_step(graphdef, loss_fn):
-        @jax.jit
-        def step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return step
-
     ref_graph, ref_params = nnx.split(ref)
-    ref_step = make_step(ref_graph, lambda p, x, y: loss_sum(nnx.merge(ref_graph, p), x, y))
+    ref_step = _train_step(tx, lambda p, x, y: loss_sum(nnx.merge(ref_graph, p), x, y))
     graph, params = nnx.split(model)
     local = jax.shard_map(
         lambda p, x, y: loss_sum(nnx.merge(graph, p), x, y)[None],
@@ -216,7 +219,7 @@ def test_adamw_on_sharded_mlp_matches_one_device():
         in_specs=P(AX),
         out_specs=P(AX),
     )
-    step = make_step(graph, lambda p, x, y: jnp.sum(local(p, x, y)))
+    step = _train_step(tx, lambda p, x, y: jnp.sum(local(p, x, y)))
     # The step count comes from tx.init on one device; replicated on the mesh, as the step
     # returns it, the second step reuses the first compilation.
     state = jax.tree.map(
@@ -382,17 +385,8 @@ def test_tiny_transformer_trains_like_one_device(lora):
         target = jnp.take_along_axis(logp, ids_BxT1[:, 1:, None], axis=-1)
         return -jnp.sum(target) / total
 
-    def make_step(loss_fn):
-        @jax.jit
-        def step(params, frozen, opt_state, ids):
-            loss, grads = jax.value_and_grad(loss_fn)(params, frozen, ids)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return step
-
     ref_graph, ref_params, ref_frozen = nnx.split(ref_model, nnx.Param, ...)
-    ref_step = make_step(lambda p, f, ids: loss_sum(nnx.merge(ref_graph, p, f), ids))
+    ref_step = _train_step(tx, lambda p, f, ids: loss_sum(nnx.merge(ref_graph, p, f), ids))
     graph, params, frozen = nnx.split(model, nnx.Param, ...)
     assert len(jax.tree.leaves(params)) == len(jax.tree.leaves(ref_params))
     local = jax.shard_map(
@@ -401,12 +395,12 @@ def test_tiny_transformer_trains_like_one_device(lora):
         in_specs=P(AX),
         out_specs=P(AX),
     )
-    step = make_step(lambda p, f, ids: jnp.sum(local(p, f, ids)))
+    step = _train_step(tx, lambda p, f, ids: jnp.sum(local(p, f, ids)))
     ref_state, state = tx.init(ref_params), tx.init(params)
     ids_placed = _put(mesh, ids)
     for _ in range(3):
-        ref_params, ref_state, ref_loss = ref_step(ref_params, ref_frozen, ref_state, ids)
-        params, state, loss = step(params, frozen, state, ids_placed)
+        ref_params, ref_state, ref_loss = ref_step(ref_params, ref_state, ref_frozen, ids)
+        params, state, loss = step(params, state, frozen, ids_placed)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     nnx.update(ref_model, ref_params)
     nnx.update(model, params)
@@ -480,17 +474,8 @@ def test_fp32_master_on_bf16_shards_matches_one_device_and_stores_rounded_master
             x = layer(x)
         return jnp.sum((x - y) ** 2) / total  # the global mean: every rank divides by the total
 
-    def make_step(loss_fn):
-        @jax.jit
-        def step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return step
-
     ref_graph, ref_params = nnx.split(ref)
-    ref_step = make_step(lambda p, x, y: loss_sum(nnx.merge(ref_graph, p), x, y))
+    ref_step = _train_step(tx, lambda p, x, y: loss_sum(nnx.merge(ref_graph, p), x, y))
     graph, params = nnx.split(model)
     local = jax.shard_map(
         lambda p, x, y: loss_sum(nnx.merge(graph, p), x, y)[None],
@@ -498,7 +483,7 @@ def test_fp32_master_on_bf16_shards_matches_one_device_and_stores_rounded_master
         in_specs=P(AX),
         out_specs=P(AX),
     )
-    step = make_step(lambda p, x, y: jnp.sum(local(p, x, y)))
+    step = _train_step(tx, lambda p, x, y: jnp.sum(local(p, x, y)))
     ref_state, state = tx.init(ref_params), tx.init(params)
     xs, ys = _put(mesh, x), _put(mesh, y)
     is_sharded = lambda v: isinstance(v, rs.ShardedParameter)
