@@ -1,0 +1,10 @@
+"""A small GPT (dense or MoE) trained end to end with rudax: the README's main job.
+
+    python -m examples.lm.prepare   # corpus -> local BPE -> token shards (data/lm)
+    python -m examples.lm.train     # prepares if needed, trains, evaluates, checkpoints
+
+Data: ``corpus`` reads a text corpus (by default the Python standard library's own sources)
+and splits it by document; ``tokenizer`` trains the byte-level BPE and encodes documents;
+``prepare`` builds the data folder (tokenizer, shards, ``prepared.json``) and is its command
+line; ``data`` holds the shard format and the deterministic loader the trainer reads from.
+"""
