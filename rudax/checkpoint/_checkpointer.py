@@ -1,15 +1,27 @@
 """Checkpointer: numbered TrainingRecord checkpoints in one directory, on orbax.
 
 Each step is an orbax composite checkpoint, ``<directory>/<step>/``, with one item per record
-part that is not None (``model``, ``optimizer``, ``accumulator``, ``state``: orbax
-``StandardSave``, readable with plain ``orbax.checkpoint``) and a JSON item ``meta``: the rudax
-version, the step, the parts saved, each part's layout (path, shape, dtype of every leaf) and
-the caller state's Python leaves.
+part that is not None and holds an array (``model``, ``optimizer``, ``accumulator``, ``state``:
+orbax ``StandardSave``, readable with plain ``orbax.checkpoint``; orbax refuses an item with no
+arrays, whose structure the template gives back anyway) and a JSON item ``meta``
+(``_meta.py``): the rudax version, the step, the parts saved, each part's layout (path, shape,
+dtype of every leaf), the caller state's Python leaves, the record's config and recorded
+dtypes, a checksum of every array and a digest of the whole item.
+
+Restoring checks everything it can before it reads an array: the step directory (no symlink,
+nothing outside the root: ``_paths.py``), the meta item's fields, then the template against
+them (parts, config, tree structure, shapes, dtypes). After reading, every array's checksum is
+compared with the saved one (``_integrity.py``): orbax does not notice bytes changed inside a
+data file. A step that fails any of this raises ``CheckpointCorruptedError``; a template that
+does not match raises ``ValueError`` naming the first differing path and both values.
 
 Atomicity and retention are orbax ``CheckpointManager``'s: a step is written into a temporary
 directory and renamed to its final name only once every item is complete, and an unfinished
 temporary directory is never listed as a step. Retention deletes the oldest steps beyond
-``keep`` after a save commits, so the newest committed step is never the one deleted.
+``keep`` after a save commits, so the newest committed step is never the one deleted. orbax
+deletes a step in place, file by file, so a crash in the middle would leave a listed step
+that cannot be read; here retention first renames it into ``<directory>/rudax-deleting/``
+(orbax ``todelete_subdir``), atomically, and that folder is emptied once no save is in flight.
 """
 
 from __future__ import annotations
@@ -18,50 +30,53 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-import rudax
-from rudax._validation import check_bool, check_int, check_positive_int
+from rudax._validation import check_bool, check_positive_int
+from rudax.checkpoint._config import check_config, config_difference
+from rudax.checkpoint._integrity import CheckpointCorruptedError, checksums, verify_checksums
+from rudax.checkpoint._meta import Meta, build_meta, parse_meta
+from rudax.checkpoint._paths import (
+    TRASH,
+    check_step,
+    committed,
+    empty_trash,
+    normalize_root,
+    step_directory,
+)
 from rudax.checkpoint._record import (
     PARTS,
     TrainingRecord,
+    check_array_leaves,
     describe,
     merge_state,
     split_state,
+)
+from rudax.checkpoint._sharded import (
+    place_unplaced,
+    restore_args,
+    restore_target,
+    storage_layout,
+)
+from rudax.checkpoint._template import (
+    check_layout,
+    check_parts,
+    check_recorded_dtypes,
+    retyped,
 )
 
 META = "meta"
 
 
 def _template(tree: Any) -> Any:
-    # orbax's StandardRestore refuses NumPy scalars as targets; shape and dtype are all it needs.
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    # Each leaf read into the template's placement, never the saved one: see _sharded.py.
+    return restore_target(tree)
 
 
-def _check_layout(part: str, saved: list[list[Any]], template: list[list[Any]]) -> None:
-    """ValueError naming the first leaf where the template differs from what was saved."""
-    for s, t in zip(saved, template, strict=False):
-        if s[0] != t[0]:
-            raise ValueError(
-                f"restore: record.{part} structure differs: saved leaf record.{part}{s[0]}, "
-                f"template leaf record.{part}{t[0]}"
-            )
-        if s[1:] != t[1:]:
-            raise ValueError(f"restore: record.{part}{s[0]}: saved {_show(s)}, template {_show(t)}")
-    if len(saved) != len(template):
-        longer, what = (saved, "saved") if len(saved) > len(template) else (template, "template")
-        first_extra = longer[min(len(saved), len(template))][0]
-        raise ValueError(
-            f"restore: record.{part} structure differs: record.{part}{first_extra} is only in "
-            f"the {what} tree ({len(saved)} saved leaves, {len(template)} in the template)"
-        )
-
-
-def _show(row: list[Any]) -> str:
-    if row[1] == "python":
-        return f"a Python {row[2]}"
-    return f"shape {tuple(row[1])} dtype {row[2]}"
+def _brief(e: BaseException) -> str:
+    # tensorstore puts a whole JSON spec in its messages; the chained exception keeps it all.
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
 class Checkpointer:
@@ -70,13 +85,19 @@ class Checkpointer:
     The rule: ``save(step, record)`` writes the record under ``step`` (atomically: temp dir +
     rename), then deletes the oldest steps beyond ``keep``; ``restore(like, step=None)``
     reads the latest (or given) step into the structure of ``like`` after checking that
-    ``like``'s tree, shapes and dtypes are those saved.
+    ``like``'s parts, config, tree, shapes and dtypes are those saved, and checks every array
+    read against the checksum saved with it. ``restore(..., strict=False)`` reads only the
+    parts ``like`` has (the model alone, say) and lets its config differ;
+    ``restore_with_dtypes`` reads a ``capture_with_dtypes`` record into a template of other
+    floating dtypes. A damaged, altered or unsafe step raises ``CheckpointCorruptedError``.
 
     Args:
-      directory: the root directory (created if missing); steps are its subdirectories.
+      directory: the root directory (created if missing); steps are its subdirectories
+        named ``str(step)``. Kept as ``self.directory``, absolute and with symlinks resolved.
       keep: how many of the newest committed steps to keep, an int >= 1.
-      async_save: True returns from ``save`` after the device-to-host copy and writes in a
-        background thread; call ``wait()`` (or ``close()``) before relying on it on disk.
+      async_save: True returns from ``save`` after the device-to-host copy and the checksum
+        pass and writes in a background thread; call ``wait()`` (or ``close()``) before
+        relying on it on disk.
 
     Example:
       >>> import tempfile
@@ -98,96 +119,243 @@ class Checkpointer:
     def __init__(
         self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = False
     ) -> None:
-        if not isinstance(directory, str | os.PathLike):
-            raise TypeError(f"directory must be a str or os.PathLike, got {directory=}")
+        self.directory = normalize_root(directory)
         check_positive_int("keep", keep)
         check_bool("async_save", async_save)
-        self.directory = os.path.abspath(os.fspath(directory))
+        self._async_save = async_save
+        empty_trash(self.directory)  # what a crash interrupted retention left behind
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            todelete_subdir=TRASH,
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=(*PARTS, META)
         )
 
     def save(self, step: int, record: TrainingRecord) -> None:
-        """Writes record as checkpoint ``step`` (an int >= 0, larger than any saved step)."""
-        check_int("step", step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step=}")
+        """Writes record as checkpoint ``step`` (an int >= 0, larger than any saved step).
+
+        Every array is written in its own dtype, never cast: saving is at full precision.
+        Before anything is written the record is checked (its leaves storable, its config JSON
+        data, its recorded ``dtypes``, if any, those of its leaves) and a checksum of each
+        array is computed from the host copy of its shards (``_integrity.py``); with
+        ``async_save`` that pass and the device-to-host copy are all ``save`` waits for.
+
+        Args:
+          step: the step number, an int >= 0 (not a bool); its directory is ``str(step)``.
+          record: the ``TrainingRecord`` to write.
+        """
+        step = check_step(step)
         if not isinstance(record, TrainingRecord):
             raise TypeError(f"record must be a TrainingRecord, got {type(record).__name__}")
+        config = check_config(record.config, name="record.config")
+        for name in ("model", "optimizer", "accumulator"):
+            check_array_leaves(name, getattr(record, name))
         arrays, python = split_state(record.state)
-        parts = {**record._asdict(), "state": arrays}
+        if record.dtypes is not None:
+            check_recorded_dtypes(record)
+        parts = {p: getattr(record, p) for p in PARTS} | {"state": arrays}
         present = [p for p in PARTS if getattr(record, p) is not None]
-        meta = {
-            "rudax_version": rudax.__version__,
-            "step": int(step),
-            "parts": present,
-            "layout": {p: describe(getattr(record, p)) for p in present},
-            "python_state": python,
-        }
-        items = {p: ocp.args.StandardSave(parts[p]) for p in present}
-        self._manager.save(
-            int(step), args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta))
+        meta = build_meta(
+            step=step,
+            parts=present,
+            layout={p: describe(getattr(record, p)) for p in present},
+            python_state=python,
+            config=config,
+            storage_dtypes=record.dtypes,
+            checksums={p: checksums(parts[p]) for p in present},
+            sharded={p: storage_layout(getattr(record, p)) for p in present},
         )
+        # orbax refuses an item without arrays; its structure comes back from the template.
+        items = {p: ocp.args.StandardSave(parts[p]) for p in present if jax.tree.leaves(parts[p])}
+        self._manager.wait_until_finished()  # as orbax's save would; then nothing moves
+        empty_trash(self.directory)
+        self._manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)))
+        if not self._async_save:
+            empty_trash(self.directory)
 
-    def restore(self, like: TrainingRecord, *, step: int | None = None) -> TrainingRecord:
+    def restore(
+        self, like: TrainingRecord, *, step: int | None = None, strict: bool = True
+    ) -> TrainingRecord:
         """Reads checkpoint ``step`` (default: the latest) into a record shaped like ``like``.
+
+        The template must match what was saved: its parts, its config (compared path by path,
+        see ``TrainingRecord.config``), and within each part the tree structure and every
+        leaf's shape and dtype. A mismatch raises ValueError naming the first differing path
+        and both values. With ``strict=False`` a part that is None in ``like`` is not read
+        even if it was saved (restore the model only, on purpose), and the config is not
+        compared; a part in ``like`` that was not saved is an error either way, and within a
+        part everything must still match.
 
         Args:
           like: a ``TrainingRecord`` with the saved structure, e.g. freshly initialized; its
-            values are not used, only its tree structure, shapes and dtypes.
+            values are not used, only its tree structure, shapes, dtypes, config and (for a
+            ``jax.Array`` or a ``jax.ShapeDtypeStruct`` with a sharding) placement. Leaves
+            may be ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``.
           step: the step to read, or None for the latest committed one.
+          strict: False restores only the parts ``like`` has and ignores config differences.
 
         Returns:
-          A ``TrainingRecord`` with the saved values, in ``like``'s pytree containers.
+          A ``TrainingRecord`` with the saved values in ``like``'s pytree containers, with
+          ``like``'s config and dtypes; parts that are None in ``like`` are None.
+
+        Raises:
+          FileNotFoundError: no such committed step.
+          ValueError: the template does not match the checkpoint.
+          CheckpointCorruptedError: the step's files are damaged, altered or unsafe to read.
         """
+        return self._restore(like, step, strict, with_dtypes=False)
+
+    def restore_with_dtypes(
+        self, like: TrainingRecord, *, step: int | None = None, strict: bool = True
+    ) -> TrainingRecord:
+        """``restore``, with every floating leaf in the dtype recorded at save, whatever like's.
+
+        For a checkpoint of a record made by ``TrainingRecord.capture_with_dtypes``. The
+        template may give any floating dtype for a floating leaf (typically all fp32, from
+        ``jax.eval_shape`` of the model and ``tx.init``); each leaf is read back in its
+        recorded storage dtype, bit for bit: mixed bf16/fp16/fp32 parameters with fp32
+        masters come back as they were. Tree structure and shapes must match, and a floating
+        template leaf for a saved integer leaf (or the reverse) is an error, as in
+        ``restore``.
+
+        Args:
+          like: a ``TrainingRecord`` template, as for ``restore``.
+          step: the step to read, or None for the latest committed one.
+          strict: as for ``restore``.
+
+        Returns:
+          A ``TrainingRecord`` as ``restore`` gives, each floating leaf in its recorded dtype
+          and ``dtypes`` set to the recorded dtypes of the parts read.
+
+        Example:
+          >>> import tempfile
+          >>> import jax, jax.numpy as jnp
+          >>> import rudax.checkpoint as rc
+          >>> params = {"w": jnp.array([1.5, -2.0], jnp.bfloat16)}
+          >>> record = rc.TrainingRecord.capture_with_dtypes(model=params, optimizer=())
+          >>> fp32_like = rc.TrainingRecord(
+          ...     model={"w": jax.ShapeDtypeStruct((2,), jnp.float32)}, optimizer=(),
+          ...     accumulator=None, state=None,
+          ... )
+          >>> with rc.Checkpointer(tempfile.mkdtemp()) as ckpt:
+          ...     ckpt.save(0, record)
+          ...     restored = ckpt.restore_with_dtypes(fp32_like)
+          >>> restored.model["w"].dtype, restored.model["w"].tolist()
+          (dtype(bfloat16), [1.5, -2.0])
+        """
+        return self._restore(like, step, strict, with_dtypes=True)
+
+    def _restore(
+        self, like: TrainingRecord, step: int | None, strict: bool, *, with_dtypes: bool
+    ) -> TrainingRecord:
         if not isinstance(like, TrainingRecord):
             raise TypeError(f"like must be a TrainingRecord, got {type(like).__name__}")
+        check_bool("strict", strict)
+        step = self._step_to_read(step)
+        where = step_directory(self.directory, step)
+        meta = self._read_meta(step, where)
+        present = [p for p in PARTS if getattr(like, p) is not None]
+        check_parts(meta, present, strict)
+        if strict:
+            config = check_config(like.config, name="like.config")
+            difference = config_difference(meta.config, config)
+            if difference:
+                raise ValueError(
+                    f"restore: step {step}: {difference}; pass strict=False to restore with "
+                    "another config on purpose"
+                )
+        if with_dtypes and meta.storage_dtypes is None:
+            raise ValueError(
+                f"restore_with_dtypes: step {step} in {self.directory} was saved without "
+                "recorded dtypes; save records made by TrainingRecord.capture_with_dtypes, "
+                "or read this one with restore and a template of the saved dtypes"
+            )
+        for p in present:
+            check_layout(p, meta.layout[p], describe(getattr(like, p)), any_float=with_dtypes)
+        state_arrays, _ = split_state(like.state, template=True)
+        targets = {p: getattr(like, p) for p in PARTS} | {"state": state_arrays}
+        if with_dtypes:
+            targets = {p: retyped(p, targets[p], meta.storage_dtypes) for p in PARTS}
+        stored = [p for p in present if jax.tree.leaves(targets[p])]
+        items = {
+            p: restore_args(
+                _template(targets[p]),
+                meta.raw.get("sharded", {}).get(p, {}),
+                os.path.join(where, p),
+            )
+            for p in stored
+        }
+        try:
+            restored = (
+                self._manager.restore(step, args=ocp.args.Composite(**items)) if items else {}
+            )
+        except Exception as e:  # orbax and tensorstore raise many types for damaged files
+            raise CheckpointCorruptedError(
+                f"{where}: reading {', '.join(f'record.{p}' for p in stored)} failed, the "
+                f"checkpoint's files are damaged or incomplete: {_brief(e)}"
+            ) from e
+        out = {
+            p: place_unplaced(restored[p], targets[p]) if p in stored else targets[p]
+            for p in present
+        }
+        for p in stored:  # after placing: what is checked is what the caller gets
+            verify_checksums(where, p, meta.checksums[p], out[p])
+        if like.state is not None:
+            out["state"] = merge_state(out["state"], like.state, meta.python_state)
+        if with_dtypes:
+            dtypes = {k: v for k, v in meta.storage_dtypes.items() if k.startswith(tuple(present))}
+        else:
+            dtypes = like.dtypes
+        return TrainingRecord(**{p: out.get(p) for p in PARTS}, config=like.config, dtypes=dtypes)
+
+    def _step_to_read(self, step: int | None) -> int:
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            latest = self.latest_step()
+            if latest is None:
                 raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
-        check_int("step", step)
+            return latest
+        step = check_step(step)
         if step not in self.all_steps():
             raise FileNotFoundError(
                 f"no checkpoint for {step=} in {self.directory}; saved: {self.all_steps()}"
             )
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            META
-        ]
-        present = [p for p in PARTS if getattr(like, p) is not None]
-        if present != meta["parts"]:
-            raise ValueError(
-                f"restore: step {step} holds parts {meta['parts']}, the template {present}"
-            )
-        for p in present:
-            _check_layout(p, meta["layout"][p], describe(getattr(like, p)))
-        state_arrays, _ = split_state(like.state)
-        targets = {**like._asdict(), "state": state_arrays}
-        items = {p: ocp.args.StandardRestore(_template(targets[p])) for p in present}
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        out = {p: restored[p] if p in present else None for p in PARTS}
-        if like.state is not None:
-            out["state"] = merge_state(restored["state"], like.state, meta["python_state"])
-        return TrainingRecord(**out)
+        return step
+
+    def _read_meta(self, step: int, where: str) -> Meta:
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        try:
+            raw = self._manager.restore(step, args=args)[META]
+        except Exception as e:  # a missing or truncated file, text that is not JSON, ...
+            raise CheckpointCorruptedError(
+                f"{where}: the meta item cannot be read: {_brief(e)}"
+            ) from e
+        return parse_meta(raw, step=step, where=where)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none."""
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """The committed steps, oldest first."""
-        return sorted(self._manager.all_steps())
+        """The committed steps, oldest first.
+
+        Only directories named ``str(step)`` count: a step an async save is still writing, a
+        half-written one left by a crash and names such as ``00012`` or ``12.tmp`` do not.
+        """
+        return committed(self.directory, list(self._manager.all_steps()))
 
     def wait(self) -> None:
         """Blocks until an async save in flight has committed."""
         self._manager.wait_until_finished()
+        empty_trash(self.directory)
 
     def close(self) -> None:
         """Waits for pending saves and releases orbax's resources."""
         self._manager.close()
+        empty_trash(self.directory)
 
     def __enter__(self) -> Checkpointer:
         return self

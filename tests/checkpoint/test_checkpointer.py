@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -245,3 +246,28 @@ def test_bad_steps_are_refused(tmp_path):
         ckpt.save(1, record)
         with pytest.raises(FileNotFoundError, match="step=2"):
             ckpt.restore(record, step=2)
+
+
+def test_retention_moves_a_step_away_before_deleting_it(tmp_path, monkeypatch):
+    record = _record()
+    moved = []
+    real_rmtree = shutil.rmtree
+
+    def watching_rmtree(path, *args, **kwargs):
+        # What a crash at this moment would leave: the step is already out of the listing.
+        moved.append((os.fspath(path), sorted(os.listdir(tmp_path))))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", watching_rmtree)
+    with rc.Checkpointer(tmp_path, keep=1) as ckpt:
+        ckpt.save(1, record)
+        ckpt.save(2, record)
+        assert ckpt.all_steps() == [2]
+    assert moved == [(os.fspath(tmp_path / "rudax-deleting" / "1"), ["2", "rudax-deleting"])]
+    assert sorted(os.listdir(tmp_path)) == ["2"]
+    # Leftovers of a crash in the middle of a deletion are never a step, and are cleared.
+    shutil.copytree(tmp_path / "2", tmp_path / "rudax-deleting" / "1" / "half")
+    with rc.Checkpointer(tmp_path, keep=1) as ckpt:
+        assert ckpt.all_steps() == [2]
+        _assert_bitwise_equal(ckpt.restore(record), record)
+    assert sorted(os.listdir(tmp_path)) == ["2"]

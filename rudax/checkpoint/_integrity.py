@@ -1,0 +1,206 @@
+"""Checksums of a checkpoint's arrays and the error a damaged checkpoint raises.
+
+orbax stores arrays as zstd-compressed zarr chunks in OCDBT files and checks neither:
+orbax-checkpoint 0.12.8 with tensorstore, zarr v2, zstd level 1 and no frame checksum
+(``tensorstore_utils._build_zarr2_metadata``). A truncated file is an error from tensorstore,
+but bytes flipped in the middle of a data file decode without complaint into other values
+(seen for every one of seven positions tried in a 4 MB chunk). So rudax keeps its own checksum
+of every saved leaf in the meta item and verifies it after each restore.
+
+The checksum is a 32-bit sum over the array's elements, in row-major order, of a hash of each
+nonzero element's bits and its flat index::
+
+    h(w, i) = fmix32(w ^ (i * 0x9E3779B9))  if w != 0 else 0
+    checksum = sum over elements of h(bits, flat index)  (mod 2**32)
+
+where ``bits`` is the element's bit pattern widened to uint32 (8- and 16-bit types
+zero-extended; 64-bit and complex elements as their 32-bit words, in memory order) and
+``fmix32`` is MurmurHash3's finalizer, a bijection. Any one changed element changes the sum;
+random damage goes unnoticed with probability about 2**-32.
+
+It is computed from the host copy of each addressable shard (replica 0 only), with each
+element's *global* flat index, and the shards' sums are added (across processes by one
+all-gather of a few integers): no array is gathered, and the value is the same for every
+sharding and device count the array is saved from or restored onto. Zeros hash to zero, so
+zero padding at the end of a flat vector (an FSDP ``ShardedParameter`` restored onto another
+number of shards) leaves it unchanged. It runs in NumPy, in cache-sized chunks, rather than as a
+jitted reduction on the device: that was faster here only once compiled, and compiling it for
+each new shape cost about 0.1 s (25 s for one program over 200 leaves). Measured on this
+project's 2-core CPU machine for 100 MB of float32: about 100 ms (zlib.crc32 of the same bytes:
+30 ms, but a CRC cannot be added up over shards in another layout). On an accelerator the host
+copy is one more device-to-host transfer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+_GOLDEN = 0x9E3779B9
+
+
+class CheckpointCorruptedError(ValueError):
+    """A checkpoint step on disk is not what rudax wrote: truncated, altered or unsafe.
+
+    Raised by ``Checkpointer.restore`` when a step's files cannot be read (a truncated or
+    missing file, a meta item that is not valid JSON or lacks a field), when a restored
+    array's checksum differs from the one saved with it (bytes changed on disk), or when a
+    step directory is a symlink or leads outside the checkpoint root. The message names the
+    step directory and what failed; the exception that revealed it, if any, is chained as
+    ``__cause__``. A ``ValueError``, so code that treats a bad checkpoint as bad input keeps
+    working; catch this class to fall back to an earlier step.
+
+    Example:
+      >>> import rudax.checkpoint as rc
+      >>> issubclass(rc.CheckpointCorruptedError, ValueError)
+      True
+    """
+
+
+# Elements hashed per NumPy pass: the temporaries stay in cache.
+_CHUNK = 1 << 16
+# Below this many chunks (4 MB of float32) threads cost more than they save.
+_PARALLEL_JOBS = 16
+_ARANGE = np.arange(_CHUNK, dtype=np.uint32)
+
+
+def _hash_words(w: np.ndarray, index: np.ndarray) -> int:
+    """Sum of h(w, index) over a 1-D run of words (uint8/16/32) and their uint32 flat indices."""
+    w = w.astype(np.uint32)
+    h = index * np.uint32(_GOLDEN)
+    h ^= w
+    # MurmurHash3's fmix32, a bijection of uint32.
+    h ^= h >> 16
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> 13
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> 16
+    h[w == 0] = 0
+    return int(h.sum(dtype=np.uint64))
+
+
+def _words(x: np.ndarray) -> np.ndarray:
+    """x's elements as unsigned words of at most 32 bits; 64-bit ones as a trailing pair."""
+    if x.dtype == np.bool_:
+        return x.view(np.uint8)
+    if x.dtype.kind == "c":
+        x = x.view(np.float32 if x.dtype.itemsize == 8 else np.float64).reshape((*x.shape, -1))
+    if x.dtype.itemsize == 8:
+        return x.view(np.uint32).reshape((*x.shape, 2))
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _hash_run(w: np.ndarray, start: np.uint32) -> int:
+    return _hash_words(w, _ARANGE[: w.size] + start)
+
+
+def _hash_rows(rows: np.ndarray, bases: np.ndarray, columns: np.ndarray) -> int:
+    return _hash_words(rows.reshape(-1), (bases[:, None] + columns[None, :]).reshape(-1))
+
+
+def _block_jobs(
+    data: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...]
+) -> Iterator[Callable[[], int]]:
+    """Zero-argument jobs whose results add up to the hash sum of one block of an array.
+
+    Args:
+      data: the block (a shard), row-major.
+      starts: the block's first index along each dimension of the whole array.
+      shape: the whole array's shape.
+    """
+    w = np.ascontiguousarray(_words(np.ascontiguousarray(data)))
+    extra = w.shape[data.ndim :]  # the words of one element, a dimension the block covers
+    shape, starts = (*shape, *extra), (*starts, *(0 for _ in extra))
+    strides = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
+    # k: the last dimension the block does not cover in full. From there on the block is one
+    # contiguous run of the flat array per index of the dimensions before k.
+    partial = [d for d in range(w.ndim) if w.shape[d] != shape[d]]
+    k = partial[-1] if partial else 0
+    run = int(np.prod(w.shape[k:], dtype=np.int64))
+    bases = np.zeros((), np.uint64) + np.uint64(starts[k] * strides[k])
+    for d in range(k):
+        offsets = np.arange(w.shape[d], dtype=np.uint64) + np.uint64(starts[d])
+        bases = np.add.outer(bases, offsets * np.uint64(strides[d]))
+    bases = bases.reshape(-1).astype(np.uint32)  # flat indices count mod 2**32
+    rows = w.reshape(len(bases), run)
+    if run >= _CHUNK:
+        for base, row in zip(bases, rows, strict=True):
+            for o in range(0, run, _CHUNK):
+                yield functools.partial(_hash_run, row[o : o + _CHUNK], base + np.uint32(o % 2**32))
+    else:
+        per = _CHUNK // run
+        for r in range(0, len(bases), per):
+            yield functools.partial(
+                _hash_rows, rows[r : r + per], bases[r : r + per], _ARANGE[:run]
+            )
+
+
+def _leaf_jobs(x: Any) -> list[Callable[[], int]]:
+    """The jobs for the part of x this process holds (all of a NumPy array)."""
+    if not isinstance(x, jax.Array):
+        a = np.asarray(x)
+        return list(_block_jobs(a, (0,) * a.ndim, a.shape))
+    jobs = []
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:  # each element counted once, on the device that owns it
+            starts = tuple(s.start or 0 for s in shard.index)
+            jobs.extend(_block_jobs(np.asarray(shard.data), starts, x.shape))
+    return jobs
+
+
+def checksums(tree: Any) -> dict[str, str]:
+    """{keystr path: 8 hex digits} of the checksum of each array leaf of tree.
+
+    The chunks are hashed on a thread per core (NumPy releases the GIL). In a multi-process
+    run every process must call it (as every process calls save and restore): the sums of the
+    processes' shards are added by one all-gather.
+    """
+    flat = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    jobs = [(i, job) for i, (_, x) in enumerate(flat) for job in _leaf_jobs(x)]
+    if len(jobs) >= _PARALLEL_JOBS:
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            results = list(pool.map(lambda job: job[1](), jobs))
+    else:
+        results = [job() for _, job in jobs]
+    sums = np.zeros(len(flat), np.uint64)
+    for (i, _), value in zip(jobs, results, strict=True):
+        sums[i] = (int(sums[i]) + value) % 2**32
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        shared = np.array([isinstance(x, jax.Array) for _, x in flat])
+        # uint32 travels as is (JAX without x64 has no uint64); the adding is done here.
+        local = np.where(shared, sums, 0).astype(np.uint32)
+        gathered = np.asarray(multihost_utils.process_allgather(local)).astype(np.uint64)
+        sums = np.where(shared, gathered.sum(axis=0), sums)  # NumPy leaves: whole everywhere
+    return {where: f"{int(s) % 2**32:08x}" for (where, _), s in zip(flat, sums, strict=True)}
+
+
+def verify_checksums(where: str, part: str, expected: dict[str, str], tree: Any) -> None:
+    """CheckpointCorruptedError naming the first leaf of tree whose checksum is not expected.
+
+    Args:
+      where: the step directory, for the message.
+      part: the record part the tree is (``"model"``, ...).
+      expected: the part's checksums as saved, {keystr path: 8 hex digits}.
+      tree: the part as orbax restored it.
+    """
+    got = checksums(tree)
+    for path, value in got.items():
+        if expected.get(path) != value:
+            raise CheckpointCorruptedError(
+                f"{where}: record.{part}{path} was read back with checksum {value}, saved with "
+                f"{expected.get(path)}: its data on disk changed after it was written"
+            )
+    missing = sorted(set(expected) - set(got))
+    if missing:
+        raise CheckpointCorruptedError(
+            f"{where}: the meta item has checksums for record.{part}{missing[0]}, which the "
+            "restored tree does not have"
+        )

@@ -1,0 +1,215 @@
+"""The meta item: a checkpoint's own description, written as JSON and read back as data only.
+
+Every step holds, beside one orbax item per record part, a JSON item ``meta``::
+
+    format          1, the version of this layout
+    rudax_version   the rudax that wrote it
+    step            the step number, equal to the directory's name
+    parts           the record parts saved, in ``PARTS`` order
+    layout          {part: [[path, shape, dtype] or [path, "python", type name], ...]}
+    python_state    {path: value} for the caller state's bool/int/float/str leaves
+    config          the record's config (JSON data) or null
+    storage_dtypes  {part + path: dtype name} of each floating leaf (capture_with_dtypes),
+                    or null (capture)
+    checksums       {part: {path: 8 hex digits}} of every array leaf (see ``_integrity.py``)
+    digest          SHA-256 of the canonical JSON text of all the other fields
+
+Reading it never runs code from the checkpoint: the file is parsed by ``json`` into dicts,
+lists, strings and numbers, dtype names are looked up in a fixed table instead of being
+handed to a parser, and every field is checked for its type and its agreement with the others
+before any is used. A field that fails raises ``CheckpointCorruptedError`` naming the step
+directory and the field; the digest then catches values changed by hand or by the disk. Fields
+this version does not know are kept under the digest and otherwise left alone, so a part of
+rudax that adds one (e.g. sharded layouts) reads it itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, NamedTuple
+
+import rudax
+from rudax.checkpoint._config import check_config
+from rudax.checkpoint._integrity import CheckpointCorruptedError
+from rudax.checkpoint._record import DTYPE_NAMES, FLOAT_DTYPE_NAMES, PARTS, PYTHON_LEAVES
+
+FORMAT = 1
+_FIELDS = (
+    "format",
+    "rudax_version",
+    "step",
+    "parts",
+    "layout",
+    "python_state",
+    "config",
+    "storage_dtypes",
+    "checksums",
+)
+_PYTHON_TYPE_NAMES = {t.__name__: t for t in PYTHON_LEAVES}
+
+
+class Meta(NamedTuple):
+    """A meta item that passed every check."""
+
+    step: int
+    parts: list[str]
+    layout: dict[str, list[list[Any]]]
+    python_state: dict[str, Any]
+    config: dict[str, Any] | None
+    storage_dtypes: dict[str, str] | None
+    checksums: dict[str, dict[str, str]]
+    raw: dict[str, Any]  # the whole item, fields of other rudax modules included
+
+
+def _digest(fields: dict[str, Any]) -> str:
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_meta(
+    *,
+    step: int,
+    parts: list[str],
+    layout: dict[str, list[list[Any]]],
+    python_state: dict[str, Any],
+    config: dict[str, Any] | None,
+    storage_dtypes: dict[str, str] | None,
+    checksums: dict[str, dict[str, str]],
+    **extra: Any,
+) -> dict[str, Any]:
+    """The meta item's JSON data, digest included; ``extra`` fields are written as given."""
+    fields = {
+        "format": FORMAT,
+        "rudax_version": rudax.__version__,
+        "step": step,
+        "parts": parts,
+        "layout": layout,
+        "python_state": python_state,
+        "config": config,
+        "storage_dtypes": storage_dtypes,
+        "checksums": checksums,
+        **extra,
+    }
+    return {**fields, "digest": _digest(fields)}
+
+
+def _fail(where: str, field: str, problem: str, value: Any) -> CheckpointCorruptedError:
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return CheckpointCorruptedError(f"{where}: meta field {field} {problem}, got {shown}")
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _check_row(where: str, field: str, row: Any) -> None:
+    if not (type(row) is list and len(row) >= 3 and type(row[0]) is str and type(row[2]) is str):
+        raise _fail(where, field, "must hold rows [path, shape, dtype, ...]", row)
+    if row[1] == "python":
+        if row[2] not in _PYTHON_TYPE_NAMES:
+            raise _fail(where, field, f"has a Python leaf of unknown type {row[2]!r}", row)
+        return
+    if not (type(row[1]) is list and all(_is_int(d) and d >= 0 for d in row[1])):
+        raise _fail(where, field, "has a shape that is not a list of ints >= 0", row)
+    if row[2] not in DTYPE_NAMES:
+        raise _fail(where, field, "has an unknown dtype name", row)
+
+
+def parse_meta(raw: Any, *, step: int, where: str) -> Meta:
+    """Checks the meta item read from step directory ``where``; a ``Meta`` of its fields.
+
+    Raises ``CheckpointCorruptedError`` naming ``where`` and the field for a missing field, a
+    field of the wrong type, fields that disagree, or a digest that does not match.
+    """
+    if type(raw) is not dict:
+        raise _fail(where, "<root>", "must be a JSON object", raw)
+    for field in (*_FIELDS, "digest"):
+        if field not in raw:
+            raise CheckpointCorruptedError(
+                f"{where}: the meta item has no field {field!r} (fields: {sorted(raw)})"
+            )
+    if raw["format"] != FORMAT or not _is_int(raw["format"]):
+        raise _fail(
+            where, "format", f"must be {FORMAT}, the format this rudax reads", raw["format"]
+        )
+    if type(raw["rudax_version"]) is not str:
+        raise _fail(where, "rudax_version", "must be a str", raw["rudax_version"])
+    if not _is_int(raw["step"]) or raw["step"] != step:
+        raise _fail(where, "step", f"must be {step}, the directory's step", raw["step"])
+    parts = raw["parts"]
+    if not (
+        type(parts) is list
+        and all(type(p) is str and p in PARTS for p in parts)
+        and parts == [p for p in PARTS if p in parts]
+    ):
+        raise _fail(where, "parts", f"must list distinct names from {PARTS} in that order", parts)
+    layout = raw["layout"]
+    if type(layout) is not dict or sorted(layout) != sorted(parts):
+        raise _fail(where, "layout", f"must have one entry per saved part {parts}", layout)
+    for part in parts:
+        if type(layout[part]) is not list:
+            raise _fail(where, f"layout.{part}", "must be a list of rows", layout[part])
+        for row in layout[part]:
+            _check_row(where, f"layout.{part}", row)
+    python_state = raw["python_state"]
+    python_rows = {r[0]: r[2] for r in layout.get("state", []) if r[1] == "python"}
+    if type(python_state) is not dict or sorted(python_state) != sorted(python_rows):
+        raise _fail(
+            where,
+            "python_state",
+            f"must hold the state's Python leaves {sorted(python_rows)}",
+            python_state,
+        )
+    for path, value in python_state.items():
+        if type(value) is not _PYTHON_TYPE_NAMES[python_rows[path]]:
+            raise _fail(
+                where, f"python_state[{path!r}]", f"must be of type {python_rows[path]}", value
+            )
+    try:
+        config = check_config(raw["config"])
+    except (TypeError, ValueError) as e:
+        raise _fail(where, "config", f"is not JSON data ({e})", raw["config"]) from e
+    storage_dtypes = raw["storage_dtypes"]
+    if storage_dtypes is not None:
+        dtypes_of = {
+            f"{part}{row[0]}": row[2]
+            for part in parts
+            for row in layout[part]
+            if row[1] != "python" and row[2] in FLOAT_DTYPE_NAMES
+        }
+        if type(storage_dtypes) is not dict or storage_dtypes != dtypes_of:
+            raise _fail(
+                where,
+                "storage_dtypes",
+                "must give each floating leaf its layout dtype",
+                storage_dtypes,
+            )
+    checks = raw["checksums"]
+    if type(checks) is not dict or sorted(checks) != sorted(parts):
+        raise _fail(where, "checksums", f"must have one entry per saved part {parts}", checks)
+    for part, table in checks.items():
+        ok = type(table) is dict and all(
+            type(v) is str and len(v) == 8 and all(c in "0123456789abcdef" for c in v)
+            for v in table.values()
+        )
+        if not ok:
+            raise _fail(where, f"checksums.{part}", "must map paths to 8 hex digits", table)
+    fields = {k: v for k, v in raw.items() if k != "digest"}
+    if raw["digest"] != _digest(fields):
+        raise CheckpointCorruptedError(
+            f"{where}: the meta item's digest does not match its contents: it was changed "
+            "after it was written"
+        )
+    return Meta(
+        step=step,
+        parts=parts,
+        layout=layout,
+        python_state=python_state,
+        config=config,
+        storage_dtypes=storage_dtypes,
+        checksums=checks,
+        raw=raw,
+    )
