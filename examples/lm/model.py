@@ -1,0 +1,441 @@
+"""A GPT (dense or mixture of experts) built from rudax.layers, its loss, FLOPs and FSDP form.
+
+Pre-norm decoder blocks, LLaMA-style: RMSNorm -> causal self-attention with rotary positions
+-> residual -> RMSNorm -> SwiGLU MLP (or ``MoE``) -> residual; a final RMSNorm and logits
+through the token embedding's own table (``TiedProjection``). No biases, no dropout.
+
+Read top to bottom: ``GPTConfig``, ``Block``, ``GPT`` (attention is in
+``examples/lm/attention.py``, the experts in ``examples/lm/moe.py``), then what a trainer
+needs: ``loss_sum`` (the contract with token-weighted gradient accumulation),
+``flops_per_token`` (for MFU) and ``shard`` (the same model for FSDP over ``rudax.sharding``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import rudax.layers as rl
+import rudax.sharding as rs
+from examples.lm.attention import CausalSelfAttention
+from examples.lm.moe import IMPLS, MoE
+from rudax._validation import (
+    STORAGE_DTYPES,
+    check_int,
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+)
+
+# GPT-2's initialization: N(0, 0.02) everywhere, and the projections that write into the
+# residual stream scaled by 1/sqrt(2 * n_layers) so the stream's variance does not grow with
+# depth (each block adds two such writes).
+INIT_STD = 0.02
+
+
+def _round_up(n: float, multiple: int) -> int:
+    return math.ceil(n / multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The shape and precision of a ``GPT``; every field is checked when it is built.
+
+    The defaults are a small model for a few minutes of training on a 2-core CPU: 3.2M
+    parameters outside the 2.1M of the tied embedding; forward and backward of 16 x 256
+    tokens took 2.1-2.4 s of CPU time there (bf16 compute about 12% less than fp32).
+
+    Attributes:
+      vocab_size: V, the tokenizer's vocabulary size.
+      seq_len: T, the longest input the model is trained on (RoPE needs no table of it, but
+        ``flops_per_token`` and the input check use it).
+      d_model: width of the residual stream, a multiple of ``n_heads``.
+      n_layers: number of blocks.
+      n_heads: attention heads; ``d_model // n_heads`` must be even (RoPE rotates pairs).
+      mlp_hidden: hidden size of each (expert) MLP; None for SwiGLU's ``8/3 * d_model``
+        rounded up to a multiple of 64, which keeps the MLP's parameter count that of a
+        4x GELU MLP. Filled in by ``__post_init__``, so it is always an int (and
+        ``dataclasses.replace(config, d_model=...)`` keeps it: pass ``mlp_hidden=None`` too).
+      rope_theta: RoPE's base wavelength.
+      norm_eps: RMSNorm's epsilon.
+      param_dtype: storage dtype of every parameter (bf16, fp16 or fp32). Train bf16 storage
+        with ``rudax.optim.fp32_master``.
+      dtype: compute dtype of the activations and logits (bf16, fp16 or fp32); the loss is
+        fp32 whatever this is.
+      num_experts: 0 for dense MLPs; E >= 1 for a ``MoE`` layer in every block.
+      top_k: experts per token, in ``[1, num_experts]``; unused when dense.
+      moe_aux_weight: coefficient of the load-balancing loss in ``loss_sum``, >= 0.
+      moe_impl: ``"auto"``, ``"ragged"`` or ``"dense"``, see ``examples/lm/moe.py``.
+
+    Example:
+      >>> from examples.lm.model import GPTConfig
+      >>> GPTConfig(d_model=256).mlp_hidden
+      704
+      >>> GPTConfig(n_heads=3)
+      Traceback (most recent call last):
+      ...
+      ValueError: d_model must be a multiple of n_heads=3, got d_model=256
+    """
+
+    vocab_size: int = 8192
+    seq_len: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_hidden: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    param_dtype: Any = jnp.bfloat16
+    dtype: Any = jnp.bfloat16
+    num_experts: int = 0
+    top_k: int = 2
+    moe_aux_weight: float = 0.01
+    moe_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+            check_positive_int(name, getattr(self, name))
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model must be a multiple of n_heads={self.n_heads}, got d_model={self.d_model}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"d_model // n_heads must be even for RoPE, got d_model={self.d_model}, "
+                f"n_heads={self.n_heads} (head_dim={self.head_dim})"
+            )
+        if self.mlp_hidden is None:
+            object.__setattr__(self, "mlp_hidden", _round_up(8 * self.d_model / 3, 64))
+        check_positive_int("mlp_hidden", self.mlp_hidden)
+        check_positive("rope_theta", self.rope_theta, accept="static")
+        check_positive("norm_eps", self.norm_eps, accept="static")
+        for name in ("param_dtype", "dtype"):
+            value = getattr(self, name)
+            try:
+                dt = np.dtype(value)
+            except TypeError as e:
+                raise TypeError(
+                    f"{name} must be bfloat16, float16 or float32, got {name}={value!r}"
+                ) from e
+            if dt not in STORAGE_DTYPES:
+                raise TypeError(
+                    f"{name} must be bfloat16, float16 or float32, got {name}={value!r}"
+                )
+            # One spelling (np.dtype) so equal configs compare and hash equal.
+            object.__setattr__(self, name, dt)
+        check_int("num_experts", self.num_experts)
+        if self.num_experts < 0:
+            raise ValueError(
+                f"num_experts must be >= 0 (0: dense), got num_experts={self.num_experts}"
+            )
+        check_positive_int("top_k", self.top_k)
+        if self.num_experts and self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k must be <= num_experts={self.num_experts}, got top_k={self.top_k}"
+            )
+        check_non_negative("moe_aux_weight", self.moe_aux_weight, accept="static")
+        if self.moe_impl not in IMPLS:
+            raise ValueError(f"moe_impl must be one of {IMPLS}, got moe_impl={self.moe_impl!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder block: ``x += attn(norm(x)); x += mlp(norm(x))``.
+
+    Args:
+      config: the model's ``GPTConfig``; ``num_experts > 0`` makes the MLP a ``MoE``.
+      rngs: the ``nnx.Rngs`` whose ``params`` stream draws the kernels.
+
+    Returns:
+      A module; calling it on ``x[B, T, d_model]`` returns ``(x, aux)``: the new residual
+      stream and the MoE load-balancing loss (a fp32 zero for a dense block).
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        c = config
+        norm = lambda: rl.RMSNorm(
+            c.d_model, epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype
+        )
+        out_init = nnx.initializers.normal(INIT_STD / math.sqrt(2 * c.n_layers))
+        self.attn_norm = norm()
+        self.attn = CausalSelfAttention(
+            c.d_model,
+            c.n_heads,
+            rope_theta=c.rope_theta,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            kernel_init=nnx.initializers.normal(INIT_STD),
+            out_init=out_init,
+            rngs=rngs,
+        )
+        self.mlp_norm = norm()
+        self.is_moe = c.num_experts > 0
+        if self.is_moe:
+            self.mlp = MoE(
+                c.d_model,
+                c.mlp_hidden,
+                c.num_experts,
+                top_k=c.top_k,
+                impl=c.moe_impl,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                kernel_init=nnx.initializers.normal(INIT_STD),
+                out_init=out_init,
+                rngs=rngs,
+            )
+        else:
+            self.mlp = rl.GatedMLP(
+                c.d_model,
+                c.mlp_hidden,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                kernel_init=nnx.initializers.normal(INIT_STD),
+                rngs=rngs,
+            )
+            # GatedMLP draws its three kernels from one initializer; redraw the one that
+            # writes into the residual stream at GPT-2's scaled std.
+            kernel = self.mlp.down.kernel
+            kernel.set_value(out_init(rngs.params(), kernel.shape, kernel.dtype))
+
+    def __call__(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD))
+        if self.is_moe:
+            h, aux = self.mlp(self.mlp_norm(x_BxTxD))
+        else:
+            h, aux = self.mlp(self.mlp_norm(x_BxTxD)), jnp.zeros((), jnp.float32)
+        return x_BxTxD + h, aux
+
+
+class GPT(nnx.Module):
+    """A decoder-only transformer language model: ``tokens -> (logits, aux_loss)``.
+
+    ::
+
+        x = embed(tokens)                              (compute dtype)
+        for block in blocks: x, aux_l = block(x)
+        logits = norm(x) @ embed.T                     (the embedding table, tied)
+        aux_loss = mean_l(aux_l)                       (0 for a dense model)
+
+    The sublayers are called, never read into (no ``self.embed.embedding[...]``): ``shard``
+    swaps them for ``rudax.sharding.ShardedModule``s, which gather their parameters only when
+    called.
+
+    Args:
+      config: a ``GPTConfig``.
+      rngs: the ``nnx.Rngs`` whose ``params`` stream draws the weights.
+
+    Returns:
+      A module; ``model(tokens_BxT)`` (integer ids, ``T <= config.seq_len``) returns
+      ``(logits_BxTxV, aux_loss)``: logits in ``config.dtype`` and the fp32 load-balancing
+      loss averaged over the blocks (1 when perfectly balanced; a fp32 zero when dense).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from examples.lm.model import GPT, GPTConfig
+      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=1, n_heads=2)
+      >>> logits, aux = GPT(config, rngs=nnx.Rngs(0))(jnp.ones((2, 8), jnp.int32))
+      >>> logits.shape, logits.dtype, aux
+      ((2, 8, 64), dtype(bfloat16), Array(0., dtype=float32))
+
+    References:
+      Radford et al., `Language Models are Unsupervised Multitask Learners
+      <https://cdn.openai.com/better-language-models/language_models_are_unsupervised_multitask_learners.pdf>`_,
+      2019 (GPT-2); Touvron et al., `LLaMA <https://arxiv.org/abs/2302.13971>`_, 2023
+      (pre-norm RMSNorm, SwiGLU, RoPE).
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}: {config=}")
+        c = config
+        self.config = c
+        self.embed = rl.Embedding(
+            c.vocab_size,
+            c.d_model,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            embedding_init=nnx.initializers.normal(INIT_STD),
+            rngs=rngs,
+        )
+        self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
+        self.norm = rl.RMSNorm(
+            c.d_model, epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype
+        )
+        self.head = rl.TiedProjection(self.embed, dtype=c.dtype)
+
+    def __call__(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        tokens_BxT = jnp.asarray(tokens_BxT)
+        _check_tokens("tokens_BxT", tokens_BxT, self.config.seq_len)
+        x_BxTxD = self.embed(tokens_BxT)
+        aux = []
+        for block in self.blocks:
+            x_BxTxD, aux_l = block(x_BxTxD)
+            aux.append(aux_l)
+        logits_BxTxV = self.head(self.norm(x_BxTxD))
+        return logits_BxTxV, jnp.mean(jnp.stack(aux))
+
+
+def _check_tokens(name: str, tokens: jax.Array, max_len: int) -> None:
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integer token ids, got {name}.dtype={tokens.dtype}")
+    if tokens.ndim != 2 or not 1 <= tokens.shape[1] <= max_len:
+        raise ValueError(
+            f"{name} must be [batch, time] with 1 <= time <= seq_len={max_len}, got "
+            f"{name}.shape={tokens.shape}"
+        )
+
+
+def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Next-token cross entropy SUMMED over the batch's targets, plus the MoE balancing term.
+
+    With ``inputs = batch[:, :-1]``, ``targets = batch[:, 1:]`` and ``n = B * T`` targets::
+
+        logits, aux = model(inputs)
+        ce_sum = sum_{b,t} logsumexp(logits[b, t]) - logits[b, t, targets[b, t]]   (fp32)
+        loss_sum = ce_sum + moe_aux_weight * aux * n
+
+    The contract a trainer relies on: the loss is a *sum* over tokens, so for microbatches
+    ``i`` of ``n_i`` tokens, ``acc.add(grad(loss_sum_i), weight=n_i)`` and then
+    ``acc.pop(normalize=True)`` (``rudax.optim.GradientAccumulator``) give the gradient of
+    ``sum_i ce_sum_i / sum_i n_i + moe_aux_weight * (sum_i n_i aux_i) / sum_i n_i``: the mean
+    cross entropy over every token of the window plus the token-weighted mean balancing loss,
+    whatever the microbatch sizes. Under FSDP each rank's ``loss_sum`` is of its own tokens
+    and the sum over ranks is the same quantity (the balancing loss is then per rank's batch).
+
+    Args:
+      model: a ``GPT`` (or its ``shard``ed form, inside ``shard_map``).
+      batch_BxT1: integer token ids ``[B, T + 1]`` with ``1 <= T <= config.seq_len``.
+
+    Returns:
+      ``(loss_sum, metrics)``: a fp32 scalar and ``{"tokens": n (int32), "ce_sum": ce_sum
+      (fp32), "aux_loss": aux (fp32, 0 for a dense model)}``; the mean cross entropy of the
+      batch is ``ce_sum / tokens``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from examples.lm.model import GPT, GPTConfig, loss_sum
+      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=1, n_heads=2)
+      >>> loss, metrics = loss_sum(GPT(config, rngs=nnx.Rngs(0)), jnp.ones((2, 9), jnp.int32))
+      >>> int(metrics["tokens"]), loss.dtype, bool(loss == metrics["ce_sum"])  # dense: no aux
+      (16, dtype('float32'), True)
+    """
+    batch_BxT1 = jnp.asarray(batch_BxT1)
+    if batch_BxT1.ndim != 2 or batch_BxT1.shape[1] < 2:
+        raise ValueError(
+            f"batch_BxT1 must be [batch, time + 1] with time >= 1, got "
+            f"batch_BxT1.shape={batch_BxT1.shape}"
+        )
+    inputs_BxT, targets_BxT = batch_BxT1[:, :-1], batch_BxT1[:, 1:]
+    logits_BxTxV, aux = model(inputs_BxT)
+    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+    target_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    ce_sum = jnp.sum(lse_BxT - target_BxT)
+    n = targets_BxT.size
+    total = ce_sum + model.config.moe_aux_weight * float(n) * aux
+    return total, {"tokens": jnp.asarray(n, jnp.int32), "ce_sum": ce_sum, "aux_loss": aux}
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """Training FLOPs per token (forward and backward) of the model's matmuls, for MFU.
+
+    ``6 N`` for the ``N`` matmul parameters a token actually uses (2 FLOPs per multiply-add,
+    forward, plus twice that backward), attention's score and value products, and the head::
+
+        N     = n_layers * (4 d^2 + 3 d h * k + d E)     (k = top_k and E experts, or 1 and 0)
+        flops = 6 N + 6 n_layers seq_len d + 6 d V
+
+    The attention term is PaLM's ``12 n_layers n_heads head_dim seq_len`` (appendix B)
+    halved, counting only the causal half of the score matrix. The embedding lookup is not a
+    matmul and counts nothing; the tied head counts once, as a matmul. For an MoE model this
+    is the model's FLOPs, not the hardware's: ``moe_impl="dense"`` computes all E experts.
+
+    Args:
+      config: a ``GPTConfig``.
+
+    Returns:
+      FLOPs per trained token, a float.
+
+    Example:
+      >>> from examples.lm.model import GPTConfig, flops_per_token
+      >>> round(flops_per_token(GPTConfig()) / 1e6, 2)  # the default model: MFLOPs per token
+      33.42
+
+    References:
+      Chowdhery et al., `PaLM <https://arxiv.org/abs/2204.02311>`_, 2022, appendix B;
+      Kaplan et al., `Scaling Laws for Neural Language Models
+      <https://arxiv.org/abs/2001.08361>`_, 2020 (the 6N rule).
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}: {config=}")
+    c = config
+    d, h = c.d_model, c.mlp_hidden
+    experts, k = (c.num_experts, c.top_k) if c.num_experts else (0, 1)
+    n = c.n_layers * (4 * d * d + 3 * d * h * k + d * experts)
+    return float(6 * n + 6 * c.n_layers * c.seq_len * d + 6 * d * c.vocab_size)
+
+
+def shard(model: GPT, ctx: rs.ShardingContext, *, compute_dtype: Any = None) -> GPT:
+    """The same GPT with every layer in its FSDP form (``rudax.sharding``), ties kept.
+
+    Each ``Embedding``, ``Linear``, ``RMSNorm``, ``GatedMLP`` and ``MoE`` becomes a
+    ``ShardedModule`` whose parameters are ``ShardedParameter``s split over ``ctx``'s axis;
+    the tied head and the embedding share one sharded table, so its gradient sums both uses.
+    ``model`` is not modified (the result is built on a structural copy that shares its
+    arrays). Run the result inside ``jax.shard_map`` with the parameter state split
+    ``P(ctx.axis_name)`` and each rank's own batch; ``jax.grad`` of the ranks' summed
+    ``loss_sum`` returns gradients already reduce-scattered onto the shards.
+
+    Args:
+      model: a ``GPT``.
+      ctx: the ``rudax.sharding.ShardingContext`` of the mesh axis to shard over.
+      compute_dtype: the dtype parameters are cast to before their all-gather (halving its
+        bytes for bf16); None gathers them in their storage dtype.
+
+    Returns:
+      A new ``GPT`` whose layers are ``ShardedModule``s.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import rudax.sharding as rs
+      >>> from examples.lm.model import GPT, GPTConfig, shard
+      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=1, n_heads=2)
+      >>> ctx = rs.ShardingContext(jax.sharding.Mesh(jax.devices(), ("fsdp",)))
+      >>> sharded = shard(GPT(config, rngs=nnx.Rngs(0)), ctx)
+      >>> type(sharded.blocks[0].attn.qkv).__name__
+      'ShardedModule'
+
+    References:
+      Zhao et al., `PyTorch FSDP <https://arxiv.org/abs/2304.11277>`_, 2023.
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a GPT, got {type(model).__name__}")
+    if not isinstance(ctx, rs.ShardingContext):
+        raise TypeError(f"ctx must be a rudax.sharding.ShardingContext, got {ctx!r}")
+    sharded = nnx.merge(*nnx.split(model))
+    kw = dict(compute_dtype=compute_dtype)
+    sharded.embed = ctx.embedding(sharded.embed, **kw)
+    for block in sharded.blocks:
+        block.attn_norm = ctx.rms_norm(block.attn_norm, **kw)
+        block.attn.qkv = ctx.linear(block.attn.qkv, **kw)
+        block.attn.out = ctx.linear(block.attn.out, **kw)
+        block.mlp_norm = ctx.rms_norm(block.mlp_norm, **kw)
+        block.mlp = ctx.module(block.mlp, **kw)
+    sharded.norm = ctx.rms_norm(sharded.norm, **kw)
+    # ctx.module, not ctx.tied_projection: it keeps the head's compute dtype, and the head's
+    # table is the embedding's variable, which the context has already sharded once.
+    sharded.head = ctx.module(sharded.head, **kw)
+    return sharded

@@ -1,0 +1,407 @@
+"""examples/lm's GPT (model.py, attention.py, moe.py) against references written here.
+
+Every comparison runs a tiny fp32 model; the references are NumPy (RoPE, attention, cross
+entropy, the MoE forward), a per-token jnp loop (the MoE gradient) and one device (FSDP).
+"""
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import examples.lm.attention as attention
+import examples.lm.model as model_lib
+import examples.lm.moe as moe_lib
+import rudax.optim as ro
+import rudax.sharding as rs
+from examples.lm.attention import CausalSelfAttention, apply_rope, causal_attention
+from examples.lm.model import GPT, GPTConfig, flops_per_token, loss_sum, shard
+from examples.lm.moe import MoE, load_balancing_loss
+
+F32 = dict(param_dtype=jnp.float32, dtype=jnp.float32)
+# One block: every test of a whole model compiles it, and compiling dominates these tests.
+TINY = dict(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, mlp_hidden=32)
+
+
+def _config(**overrides):
+    return GPTConfig(**{**TINY, **F32, **overrides})
+
+
+def _batch(b, t, *, seed=0):
+    return np.random.default_rng(seed).integers(0, 32, size=(b, t), dtype=np.int32)
+
+
+def _normal(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# One compilation per model structure and input shape: op-by-op (eager) nnx calls compile every
+# op separately, which costs more than the tests themselves.
+_forward = nnx.jit(lambda model, *args: model(*args))
+
+
+# ------------------------------------------------------------------------- model and config
+
+
+def test_shapes_dtypes_tied_table_and_causality():
+    model = GPT(GPTConfig(**{**TINY, "n_layers": 2}), rngs=nnx.Rngs(0))  # bf16 storage, compute
+    tokens = _batch(3, 8)
+    logits, aux = _forward(model, tokens)
+    assert logits.shape == (3, 8, 32) and logits.dtype == jnp.bfloat16
+    assert aux.shape == () and aux.dtype == jnp.float32 and float(aux) == 0.0
+    assert model.head.embedding is model.embed.embedding
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {leaf.dtype for leaf in leaves} == {np.dtype(jnp.bfloat16)}
+    # Per block: two norm scales, qkv, out, gate, up, down; plus the table and the final norm.
+    assert len(leaves) == 2 * 7 + 2
+    # Changing token t changes no logit before t (masked scores give exact zeros), some after.
+    t, changed = 5, tokens.copy()
+    changed[:, t] = (changed[:, t] + 1) % 32
+    after, _ = _forward(model, changed)
+    np.testing.assert_array_equal(np.asarray(after)[:, :t], np.asarray(logits)[:, :t])
+    assert not np.array_equal(np.asarray(after)[:, t:], np.asarray(logits)[:, t:])
+
+
+def _np_rope(x, theta):
+    """Rotates each channel pair (i, i + K/2) at position t by t * theta**(-2i/K)."""
+    x = np.asarray(x, np.float64)
+    out = np.empty_like(x)
+    half = x.shape[-1] // 2
+    for t in range(x.shape[1]):
+        for i in range(half):
+            a = t * theta ** (-2.0 * i / x.shape[-1])
+            rot = np.array([[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]])
+            pair = np.stack([x[:, t, :, i], x[:, t, :, i + half]], axis=-1)  # [B, H, 2]
+            out[:, t, :, i], out[:, t, :, i + half] = np.moveaxis(pair @ rot.T, -1, 0)
+    return out
+
+
+def test_rope_is_a_rotation_by_position_and_scores_depend_on_offsets_only():
+    rope = jax.jit(apply_rope, static_argnames="theta")
+    x = _normal(3, 6, 3, 8)
+    got = np.asarray(rope(x, theta=100.0))
+    np.testing.assert_allclose(got, _np_rope(x, 100.0), rtol=1e-5, atol=1e-6)
+    # One query and one key repeated at every position: q_t . k_s depends on t - s alone.
+    same = np.concatenate([np.repeat(x[:1, :1], 6, axis=1), np.repeat(x[1:2, :1], 6, axis=1)])
+    qk = np.asarray(rope(np.concatenate([same, x[2:]]), theta=10000.0))
+    scores = np.einsum("thk,shk->hts", qk[0], qk[1])
+    for offset in range(-5, 6):
+        diag = np.diagonal(scores, offset=offset, axis1=1, axis2=2)
+        np.testing.assert_allclose(diag, diag[:, :1].repeat(diag.shape[1], 1), rtol=1e-4)
+    assert rope(x.astype(jnp.bfloat16), theta=100.0).dtype == jnp.bfloat16
+
+
+def _np_softmax(s, axis=-1):
+    e = np.exp(s - s.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def test_attention_layer_matches_plain_numpy():
+    layer = CausalSelfAttention(8, 2, rope_theta=50.0, rngs=nnx.Rngs(1))
+    x = _normal(2, 5, 8).astype(np.float64)
+    w_qkv = np.asarray(layer.qkv.kernel.get_value(), np.float64)
+    w_out = np.asarray(layer.out.kernel.get_value(), np.float64)
+    qkv = x @ w_qkv
+    heads = lambda y: y.reshape(2, 5, 2, 4)
+    q, k, v = heads(qkv[..., :8]), heads(qkv[..., 8:16]), heads(qkv[..., 16:])
+    q, k = _np_rope(q, 50.0), _np_rope(k, 50.0)
+    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(4)
+    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
+    out = np.einsum("bhts,bshk->bthk", _np_softmax(scores), v).reshape(2, 5, 8) @ w_out
+    got = _forward(layer, jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), out, rtol=1e-5, atol=1e-6)
+    # The same arithmetic as jax's own causal attention.
+    qkv_heads = [_normal(2, 5, 2, 4, seed=i) for i in range(3)]
+    ours, jax_own = jax.jit(
+        lambda *a: (causal_attention(*a), jax.nn.dot_product_attention(*a, is_causal=True))
+    )(*qkv_heads)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(jax_own), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_sum_is_numpy_cross_entropy_summed():
+    config = _config(num_experts=4, top_k=2, moe_aux_weight=0.5)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    batch = np.asarray(_batch(3, 7))
+    both = nnx.jit(lambda m, b: (*m(b[:, :-1]), loss_sum(m, b)))
+    logits, aux, (loss, metrics) = both(model, batch)
+    assert logits.shape == (3, 6, 32) and aux.shape == () and aux.dtype == jnp.float32
+    logits = np.asarray(logits, np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, batch[:, 1:, None], -1).sum()
+    assert int(metrics["tokens"]) == 18 and metrics["tokens"].dtype == jnp.int32
+    np.testing.assert_allclose(float(metrics["ce_sum"]), ce, rtol=1e-5)
+    # At init the router is near uniform, P_e ~ 1/E, so E sum_e f_e P_e ~ sum_e f_e = 1.
+    assert float(metrics["aux_loss"]) == float(aux) and 0.9 < float(aux) < 1.1
+    np.testing.assert_allclose(float(loss), ce + 0.5 * 18 * float(aux), rtol=1e-5)
+
+
+def test_token_weighted_accumulation_gives_the_mean_loss_gradient():
+    graph, params = nnx.split(GPT(_config(), rngs=nnx.Rngs(0)))
+    grad = jax.grad(lambda p, b: loss_sum(nnx.merge(graph, p), b), has_aux=True)
+
+    @jax.jit
+    def accumulated_and_direct(params, whole):
+        acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
+        for part in (whole[:2], whole[2:]):  # 16 and 24 tokens
+            g, metrics = grad(params, part)
+            acc = acc.add(g, weight=metrics["tokens"])
+        mean_loss = lambda p: loss_sum(nnx.merge(graph, p), whole)[0] / 40.0
+        return acc.pop(normalize=True)[0], jax.grad(mean_loss)(params)
+
+    got, want = accumulated_and_direct(params, _batch(5, 9))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_loss_falls_over_twenty_adamw_steps_on_a_repeated_batch():
+    model = GPT(GPTConfig(**TINY), rngs=nnx.Rngs(0))  # bf16 storage and compute
+    graph, params = nnx.split(model)
+    tx = ro.fp32_master(ro.adamw(1e-2))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda p: loss_sum(nnx.merge(graph, p), batch), has_aux=True
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        mean = loss / metrics["tokens"].astype(jnp.float32)
+        return optax.apply_updates(params, updates), opt_state, mean
+
+    opt_state, batch, losses = tx.init(params), _batch(4, 9), []
+    for _ in range(20):
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    assert step._cache_size() == 1
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ---------------------------------------------------------------------------------- MoE
+
+
+def _moe_reference(moe, x_NxD, k):
+    """Per token: its top-k experts by router probability, gates renormalized (float64)."""
+    w_r, w_g, w_u, w_d = (
+        np.asarray(v.get_value(), np.float64)
+        for v in (moe.router.kernel, moe.w_gate, moe.w_up, moe.w_down)
+    )
+    silu = lambda z: z / (1.0 + np.exp(-z))
+    out = []
+    for x in np.asarray(x_NxD, np.float64):
+        p = _np_softmax(x @ w_r)
+        chosen = np.argsort(-p, kind="stable")[:k]
+        gates = p[chosen] / p[chosen].sum()
+        out.append(
+            sum(
+                g * (silu(x @ w_g[e]) * (x @ w_u[e])) @ w_d[e]
+                for g, e in zip(gates, chosen, strict=True)
+            )
+        )
+    return np.stack(out)
+
+
+def test_moe_matches_a_per_token_loop():
+    x, cot = _normal(2, 3, 6, seed=1), _normal(6, 6, seed=2)
+    moe = MoE(6, 10, 4, top_k=2, rngs=nnx.Rngs(0))
+    # A router with larger weights, so the top-2 choice is well separated from ties.
+    moe.router.kernel.set_value(jnp.asarray(_normal(6, 4, seed=3)))
+    want_y = _moe_reference(moe, x.reshape(6, 6), 2).reshape(2, 3, 6)
+    # Gradients wrt the input and every weight, against a jnp loop over the same choices.
+    chosen = [np.argsort(-p, kind="stable")[:2] for p in np.asarray(_router_probs(moe, x))]
+    graph, params = nnx.split(moe)
+
+    def loop_loss(params, x):
+        m = nnx.merge(graph, params)
+        p = jax.nn.softmax(x.reshape(6, 6) @ m.router.kernel[...], axis=-1)
+        total = jnp.zeros(())
+        for n, (token, experts) in enumerate(zip(x.reshape(6, 6), chosen, strict=True)):
+            gates = p[n, experts] / jnp.sum(p[n, experts])
+            for g, e in zip(gates, experts, strict=True):
+                h = jax.nn.silu(token @ m.w_gate[e]) * (token @ m.w_up[e])
+                total = total + g * jnp.sum((h @ m.w_down[e]) * cot[n])
+        return total
+
+    want = jax.jit(jax.grad(loop_loss, argnums=(0, 1)))(params, x)
+    for impl in ("ragged", "dense"):
+        moe.impl = impl
+        graph, params = nnx.split(moe)
+
+        def loss(params, x, graph=graph):
+            y, aux = nnx.merge(graph, params)(x)
+            return jnp.sum(y.reshape(6, 6) * cot), (y, aux)
+
+        got, (y, aux) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+        assert y.dtype == jnp.float32 and aux.shape == () and aux.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-5, atol=1e-6, err_msg=impl)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _router_probs(moe, x):
+    return jax.nn.softmax(x.reshape(-1, moe.features) @ moe.router.kernel[...], axis=-1)
+
+
+def test_load_balancing_loss_on_hand_made_routings():
+    lbl = jax.jit(load_balancing_loss)
+    # f = (1, 0) (both tokens to expert 0), P = (0.65, 0.35): 2 * (1 * 0.65 + 0 * 0.35).
+    probs = jnp.array([[0.7, 0.3], [0.6, 0.4]])
+    np.testing.assert_allclose(float(lbl(probs, jnp.array([[0], [0]]))), 1.3)
+    # Two slots per token over four experts: f = (2, 1, 1, 0) / 4, P = (0.4, 0.3, 0.2, 0.1).
+    probs = jnp.array([[0.5, 0.3, 0.1, 0.1], [0.3, 0.3, 0.3, 0.1]])
+    got = float(lbl(probs, jnp.array([[0, 1], [0, 2]])))
+    np.testing.assert_allclose(got, 4 * (0.5 * 0.4 + 0.25 * 0.3 + 0.25 * 0.2), rtol=1e-6)
+
+    e = 4
+    moe = MoE(e, 8, e, top_k=1, rngs=nnx.Rngs(0))
+    # Token i is the unit vector e_i and the router the identity times 3: token i goes to
+    # expert i (f uniform) and P is uniform by symmetry, so the loss is exactly balanced: 1.
+    moe.router.kernel.set_value(3.0 * jnp.eye(e))
+    _, aux = _forward(moe, jnp.eye(e))
+    np.testing.assert_allclose(float(aux), 1.0, rtol=1e-6)
+    # Every logit of expert 0 raised: every token goes to it, aux = E * 1 * P_0.
+    moe.router.kernel.set_value(jnp.zeros((e, e)).at[:, 0].set(2.0))
+    x = np.abs(_normal(e, e)) + 0.1  # the shape above: no recompilation
+    _, aux = _forward(moe, x)
+    p0 = _np_softmax(np.asarray(x, np.float64) @ np.asarray(moe.router.kernel[...]))[:, 0].mean()
+    np.testing.assert_allclose(float(aux), e * p0, rtol=1e-6)
+    assert p0 > 0.5  # all on one expert: far from the balanced 1
+
+
+# -------------------------------------------------------------------------------- FLOPs
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(num_experts=4, top_k=2)], ids=["dense", "moe"])
+def test_flops_per_token_counts_the_matmul_parameters_a_token_uses(overrides):
+    config = _config(**overrides)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    used = 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, size = path[-1], var.get_value().size
+        if name in ("w_gate", "w_up", "w_down"):  # E experts stored, top_k used
+            used += size // config.num_experts * config.top_k
+        elif name == "kernel":  # qkv, out, the dense MLP, the router
+            used += size
+    head = config.vocab_size * config.d_model
+    attention = config.n_layers * config.seq_len * config.d_model
+    assert flops_per_token(config) == 6 * used + 6 * attention + 6 * head
+
+
+# --------------------------------------------------------------------------------- FSDP
+
+N = 8
+
+
+@pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices")
+@pytest.mark.parametrize(
+    ("overrides", "mesh_kind"),
+    [({}, "auto"), (dict(num_experts=4, top_k=2), "explicit")],
+    ids=["dense-auto", "moe-explicit"],
+)
+def test_sharded_loss_and_gradients_equal_one_device(overrides, mesh_kind):
+    devices = jax.devices()[:N]
+    if mesh_kind == "explicit":
+        mesh = jax.make_mesh((N,), ("fsdp",), devices=devices)
+    else:
+        mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    model = GPT(_config(**overrides), rngs=nnx.Rngs(0))
+    sharded = shard(model, rs.ShardingContext(mesh, "fsdp"))
+    assert model.blocks[0].mlp is not sharded.blocks[0].mlp  # model itself is unchanged
+    batch = _batch(N, 9)
+
+    graph, params = nnx.split(sharded)
+    local = lambda p, b: jax.lax.psum(loss_sum(nnx.merge(graph, p), b)[0], "fsdp")
+    total = jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P())
+    placed = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
+    loss, grads = jax.jit(jax.value_and_grad(total))(params, placed)
+
+    # One device: the same sum of per-rank losses (each rank's MoE balancing term is of its
+    # own tokens; for the dense model the sum is the loss of the whole batch).
+    ref_graph, ref_params = nnx.split(model)
+    per_rank = lambda p, b_T1: loss_sum(nnx.merge(ref_graph, p), b_T1[None])[0]
+    ref_total = lambda p: jnp.sum(jax.vmap(per_rank, in_axes=(None, 0))(p, batch))
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(ref_total))(ref_params)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+
+    nnx.update(sharded, grads)
+    got = {}
+    for prefix, node in nnx.iter_graph(sharded):
+        if isinstance(node, rs.ShardedModule):
+            for path, var in zip(node.paths, node.variables, strict=True):
+                got[(*prefix, *path)] = var.get_value().unshard()
+    want = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(ref_grads)}
+    assert set(want) <= set(got) and len(jax.tree.leaves(params)) == len(want)
+    for path, value in want.items():
+        np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (dict(vocab_size=0), ValueError, "vocab_size must be a positive int, got vocab_size=0"),
+        (dict(seq_len=2.0), TypeError, "seq_len must be an int, got seq_len=2.0"),
+        (dict(n_layers=True), TypeError, "n_layers must be an int"),
+        (dict(d_model=18, n_heads=4), ValueError, "d_model must be a multiple of n_heads=4"),
+        (dict(d_model=12, n_heads=4), ValueError, "must be even for RoPE.*head_dim=3"),
+        (dict(mlp_hidden=0), ValueError, "mlp_hidden must be a positive int, got mlp_hidden=0"),
+        (dict(rope_theta=0.0), ValueError, "rope_theta must be a finite number > 0"),
+        (dict(norm_eps=-1e-6), ValueError, "norm_eps must be a finite number > 0"),
+        (dict(param_dtype=jnp.int32), TypeError, "param_dtype must be bfloat16, float16"),
+        (dict(dtype="float64"), TypeError, "dtype must be bfloat16, float16 or float32"),
+        (dict(num_experts=-1), ValueError, "num_experts must be >= 0"),
+        (dict(num_experts=4, top_k=0), ValueError, "top_k must be a positive int, got top_k=0"),
+        (dict(num_experts=4, top_k=5), ValueError, "top_k must be <= num_experts=4, got top_k=5"),
+        (dict(moe_aux_weight=-0.1), ValueError, "moe_aux_weight must be a finite number >= 0"),
+        (dict(moe_impl="sparse"), ValueError, "moe_impl must be one of .*got moe_impl='sparse'"),
+    ],
+)
+def test_bad_config_names_the_field_and_value(overrides, error, match):
+    with pytest.raises(error, match=match):
+        GPTConfig(**{**TINY, **overrides})
+
+
+def test_bad_input():
+    config = _config()
+    assert GPTConfig(d_model=256).mlp_hidden == 704  # 8/3 * 256 = 682.7, rounded up to 64s
+    assert GPTConfig(param_dtype="bfloat16") == GPTConfig(param_dtype=jnp.bfloat16)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="config must be a GPTConfig"):
+        GPT(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="integer token ids"):
+        model(jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"1 <= time <= seq_len=8, got tokens_BxT.shape=\(2, 9\)"):
+        model(jnp.zeros((2, 9), jnp.int32))
+    with pytest.raises(ValueError, match=r"batch_BxT1.shape=\(2, 1\)"):
+        loss_sum(model, jnp.zeros((2, 1), jnp.int32))
+    with pytest.raises(TypeError, match="config must be a GPTConfig"):
+        flops_per_token(TINY)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    with pytest.raises(TypeError, match="model must be a GPT"):
+        shard(nnx.List([]), rs.ShardingContext(mesh))
+    with pytest.raises(TypeError, match=r"ctx must be a rudax\.sharding\.ShardingContext"):
+        shard(model, mesh)
+    with pytest.raises(ValueError, match="features must be a multiple of num_heads=4"):
+        CausalSelfAttention(12, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"even head_dim, got x.shape=\(1, 2, 1, 3\)"):
+        apply_rope(jnp.ones((1, 2, 1, 3)))
+    with pytest.raises(ValueError, match=r"one \[batch, time, heads, head_dim\] shape.*k.shape"):
+        causal_attention(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 3, 1, 4)), jnp.ones((1, 3, 1, 4)))
+    with pytest.raises(ValueError, match="top_k must be <= num_experts=2, got top_k=3"):
+        MoE(4, 8, 2, top_k=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        MoE(4, 8, 2, top_k=1, impl="megablocks", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"MoE expects x.shape\[-1\] == 4"):
+        MoE(4, 8, 2, top_k=1, rngs=nnx.Rngs(0))(jnp.ones((3, 5)))
+
+
+@pytest.mark.parametrize("module", [model_lib, attention, moe_lib])
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
