@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         " memory' is what allocating and touching that much costs alone (on a VM whose host"
         " reclaims freed pages it can dominate every arm).\n"
         "- on CPU a jax.Array already lives in host memory: the async save's blocking time is"
-        " orbax's copy of each array and its bookkeeping, not a device-to-host transfer."
+        " orbax's bookkeeping and a host view of each shard, not a device-to-host transfer;"
+        " the checksums are computed from those views in the background, inside orbax's"
+        " commit (rudax/checkpoint/_meta_handler.py)."
     )
     if args.json is not None:
         result = {"args": {k: str(v) for k, v in vars(args).items()}, "bytes": nbytes}

@@ -6,7 +6,10 @@ orbax ``StandardSave``, readable with plain ``orbax.checkpoint``; orbax refuses 
 arrays, whose structure the template gives back anyway) and a JSON item ``meta``
 (``_meta.py``): the rudax version, the step, the parts saved, each part's layout (path, shape,
 dtype of every leaf), the caller state's Python leaves, the record's config and recorded
-dtypes, a checksum of every array and a digest of the whole item.
+dtypes, a checksum of every array and a digest of the whole item. The checksums are computed
+from the host copies of the arrays inside orbax's commit (``_meta_handler.py``): an async save
+returns once the arrays are copied to the host, and the step commits once they are hashed and
+written.
 
 Restoring checks everything it can before it reads an array: the step directory (no symlink,
 nothing outside the root: ``_paths.py``), the meta item's fields, then the template against
@@ -34,8 +37,9 @@ import orbax.checkpoint as ocp
 
 from rudax._validation import check_bool, check_positive_int
 from rudax.checkpoint._config import check_config, config_difference
-from rudax.checkpoint._integrity import CheckpointCorruptedError, checksums, verify_checksums
-from rudax.checkpoint._meta import Meta, build_meta, parse_meta
+from rudax.checkpoint._integrity import CheckpointCorruptedError, verify_checksums
+from rudax.checkpoint._meta import Meta, parse_meta
+from rudax.checkpoint._meta_handler import MetaHandler, MetaRestore, MetaSave, exchange_key
 from rudax.checkpoint._paths import (
     TRASH,
     check_step,
@@ -95,9 +99,10 @@ class Checkpointer:
       directory: the root directory (created if missing); steps are its subdirectories
         named ``str(step)``. Kept as ``self.directory``, absolute and with symlinks resolved.
       keep: how many of the newest committed steps to keep, an int >= 1.
-      async_save: True returns from ``save`` after the device-to-host copy and the checksum
-        pass and writes in a background thread; call ``wait()`` (or ``close()``) before
-        relying on it on disk.
+      async_save: True returns from ``save`` after the device-to-host copy; checksums and
+        files are written in orbax's background thread. Call ``wait()`` (or ``close()``)
+        before relying on the step on disk; an error in the background is raised there, or
+        by the next ``save``.
 
     Example:
       >>> import tempfile
@@ -130,8 +135,13 @@ class Checkpointer:
             create=True,
             todelete_subdir=TRASH,
         )
+        # The parts' handlers (StandardCheckpointHandler) orbax finds from their arguments.
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        meta_handler = MetaHandler()
+        registry.add(META, MetaSave, meta_handler)
+        registry.add(META, MetaRestore, meta_handler)
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=(*PARTS, META)
+            self.directory, options=options, handler_registry=registry
         )
 
     def save(self, step: int, record: TrainingRecord) -> None:
@@ -139,9 +149,14 @@ class Checkpointer:
 
         Every array is written in its own dtype, never cast: saving is at full precision.
         Before anything is written the record is checked (its leaves storable, its config JSON
-        data, its recorded ``dtypes``, if any, those of its leaves) and a checksum of each
-        array is computed from the host copy of its shards (``_integrity.py``); with
-        ``async_save`` that pass and the device-to-host copy are all ``save`` waits for.
+        data, its recorded ``dtypes``, if any, those of its leaves). The arrays are copied to
+        the host; a checksum of each (``_integrity.py``) is computed from those copies and
+        written with the meta item as part of orbax's commit (``_meta_handler.py``). With
+        ``async_save``, ``save`` returns after the checks, the device-to-host copy and orbax's
+        setup of the step: hashing and writing go on in the background, and the step is
+        listed once committed.
+        The arrays may be donated, deleted or (NumPy) overwritten as soon as ``save`` returns.
+        A save still in flight is waited for first, and if it failed its error is raised here.
 
         Args:
           step: the step number, an int >= 0 (not a bool); its directory is ``str(step)``.
@@ -158,21 +173,25 @@ class Checkpointer:
             check_recorded_dtypes(record)
         parts = {p: getattr(record, p) for p in PARTS} | {"state": arrays}
         present = [p for p in PARTS if getattr(record, p) is not None]
-        meta = build_meta(
-            step=step,
-            parts=present,
-            layout={p: describe(getattr(record, p)) for p in present},
-            python_state=python,
-            config=config,
-            storage_dtypes=record.dtypes,
-            checksums={p: checksums(parts[p]) for p in present},
-            sharded={p: storage_layout(getattr(record, p)) for p in present},
-        )
+        fields = {
+            "step": step,
+            "parts": present,
+            "layout": {p: describe(getattr(record, p)) for p in present},
+            "python_state": python,
+            "config": config,
+            "storage_dtypes": None if record.dtypes is None else dict(record.dtypes),
+            "sharded": {p: storage_layout(getattr(record, p)) for p in present},
+        }
+        meta = MetaSave(fields, {p: parts[p] for p in present}, exchange_key(step))
         # orbax refuses an item without arrays; its structure comes back from the template.
         items = {p: ocp.args.StandardSave(parts[p]) for p in present if jax.tree.leaves(parts[p])}
-        self._manager.wait_until_finished()  # as orbax's save would; then nothing moves
+        self._wait()  # as orbax's save would; then nothing moves
         empty_trash(self.directory)
-        self._manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)))
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items, meta=meta))
+        except BaseException:
+            self._manager.reload()  # see _wait
+            raise
         if not self._async_save:
             empty_trash(self.directory)
 
@@ -325,7 +344,7 @@ class Checkpointer:
         return step
 
     def _read_meta(self, step: int, where: str) -> Meta:
-        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        args = ocp.args.Composite(meta=MetaRestore())
         try:
             raw = self._manager.restore(step, args=args)[META]
         except Exception as e:  # a missing or truncated file, text that is not JSON, ...
@@ -348,14 +367,30 @@ class Checkpointer:
         return committed(self.directory, list(self._manager.all_steps()))
 
     def wait(self) -> None:
-        """Blocks until an async save in flight has committed."""
-        self._manager.wait_until_finished()
+        """Blocks until an async save in flight has committed; raises its error if it failed.
+
+        A failed save leaves no step (its temporary directory is never listed) and the steps
+        before it as they were: retention runs only after a commit.
+        """
+        self._wait()
         empty_trash(self.directory)
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources."""
-        self._manager.close()
-        empty_trash(self.directory)
+        """Waits for pending saves and releases orbax's resources; raises a save's error."""
+        try:
+            self._wait()
+        finally:
+            self._manager.close()  # the error, if any, is raised once: this call goes on
+            empty_trash(self.directory)
+
+    def _wait(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except BaseException:
+            # orbax has dropped the failed step from its list, and with it the steps that
+            # retention was to delete after the commit: they are on disk, intact. Relist.
+            self._manager.reload()
+            raise
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -19,16 +19,17 @@ zero-extended; 64-bit and complex elements as their 32-bit words, in memory orde
 random damage goes unnoticed with probability about 2**-32.
 
 It is computed from the host copy of each addressable shard (replica 0 only), with each
-element's *global* flat index, and the shards' sums are added (across processes by one
-all-gather of a few integers): no array is gathered, and the value is the same for every
+element's *global* flat index, and the shards' sums are added (across processes: a few
+integers each): no array is gathered, and the value is the same for every
 sharding and device count the array is saved from or restored onto. Zeros hash to zero, so
 zero padding at the end of a flat vector (an FSDP ``ShardedParameter`` restored onto another
 number of shards) leaves it unchanged. It runs in NumPy, in cache-sized chunks, rather than as a
 jitted reduction on the device: that was faster here only once compiled, and compiling it for
 each new shape cost about 0.1 s (25 s for one program over 200 leaves). Measured on this
 project's 2-core CPU machine for 100 MB of float32: about 100 ms (zlib.crc32 of the same bytes:
-30 ms, but a CRC cannot be added up over shards in another layout). On an accelerator the host
-copy is one more device-to-host transfer.
+30 ms, but a CRC cannot be added up over shards in another layout). A save takes the host
+copies on the caller's thread (``host_copies``: the device-to-host copy orbax makes anyway) and
+hashes them in orbax's background commit (``_meta_handler.py``); a restore hashes what it read.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import concurrent.futures
 import functools
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -141,45 +142,106 @@ def _block_jobs(
             )
 
 
-def _leaf_jobs(x: Any) -> list[Callable[[], int]]:
-    """The jobs for the part of x this process holds (all of a NumPy array)."""
-    if not isinstance(x, jax.Array):
-        a = np.asarray(x)
-        return list(_block_jobs(a, (0,) * a.ndim, a.shape))
-    jobs = []
-    for shard in x.addressable_shards:
-        if shard.replica_id == 0:  # each element counted once, on the device that owns it
-            starts = tuple(s.start or 0 for s in shard.index)
-            jobs.extend(_block_jobs(np.asarray(shard.data), starts, x.shape))
-    return jobs
+class HostCopy(NamedTuple):
+    """The part of one array leaf this process hashes, in host memory."""
+
+    blocks: list[tuple[np.ndarray, tuple[int, ...]]]  # (block, its first index per dimension)
+    shape: tuple[int, ...]  # the whole array's
+    spread: bool  # a jax.Array: its blocks are spread over processes, the sums added up
 
 
-def checksums(tree: Any) -> dict[str, str]:
-    """{keystr path: 8 hex digits} of the checksum of each array leaf of tree.
+def host_copies(tree: Any, *, copy_numpy: bool = True) -> dict[str, HostCopy]:
+    """{keystr path: HostCopy} of each array leaf of tree: its device-to-host copy.
 
-    The chunks are hashed on a thread per core (NumPy releases the GIL). In a multi-process
-    run every process must call it (as every process calls save and restore): the sums of the
-    processes' shards are added by one all-gather.
+    A ``jax.Array`` gives the addressable shards of replica 0 (each element once, on the
+    device that owns it) as ``np.asarray(shard.data)``, every transfer started before the
+    first is waited for, as orbax's ``replica_slices.transfer_arrays_to_host`` does. On an
+    accelerator that is the transfer, and JAX keeps its result on the shard's array, the very
+    object orbax reads (``Array.addressable_shards`` is cached), so one transfer serves both.
+    On CPU it is a read-only view of the device buffer, and while a view lives XLA neither
+    donates nor frees that buffer: a ``jit`` with ``donate_argnums`` writes its output
+    elsewhere and ``Array.delete`` leaves the memory to the view, so the bytes stay those
+    saved. A NumPy leaf is copied unless ``copy_numpy`` is False (orbax's ``NumpyHandler``
+    copies it too): the caller may write into it once ``save`` returns.
     """
     flat = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    jobs = [(i, job) for i, (_, x) in enumerate(flat) for job in _leaf_jobs(x)]
+    owned = {
+        where: [s for s in x.addressable_shards if s.replica_id == 0]
+        for where, x in flat
+        if isinstance(x, jax.Array)
+    }
+    for shards in owned.values():
+        for shard in shards:
+            shard.data.copy_to_host_async()
+    out = {}
+    for where, x in flat:
+        if where in owned:
+            blocks = [
+                (np.asarray(s.data), tuple(i.start or 0 for i in s.index)) for s in owned[where]
+            ]
+            out[where] = HostCopy(blocks, tuple(x.shape), True)
+        else:
+            a = np.array(x, copy=True) if copy_numpy else np.asarray(x)
+            out[where] = HostCopy([(a, (0,) * a.ndim)], a.shape, False)
+    return out
+
+
+def local_sums(copies: list[HostCopy]) -> np.ndarray:
+    """The hash sum (mod 2**32, as uint64) of each copy's blocks: this process's share.
+
+    The chunks are hashed on a thread per core (NumPy releases the GIL).
+    """
+    jobs = [
+        (i, job)
+        for i, copy in enumerate(copies)
+        for block, starts in copy.blocks
+        for job in _block_jobs(block, starts, copy.shape)
+    ]
     if len(jobs) >= _PARALLEL_JOBS:
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             results = list(pool.map(lambda job: job[1](), jobs))
     else:
         results = [job() for _, job in jobs]
-    sums = np.zeros(len(flat), np.uint64)
+    sums = np.zeros(len(copies), np.uint64)
     for (i, _), value in zip(jobs, results, strict=True):
         sums[i] = (int(sums[i]) + value) % 2**32
+    return sums
+
+
+def add_sums(sums: np.ndarray, others: list[np.ndarray], spread: np.ndarray) -> np.ndarray:
+    """sums with the other processes' sums added where ``spread`` (mod 2**32).
+
+    A leaf that is not spread (a NumPy array) is whole in every process: its own sum stands.
+    """
+    total = sums.astype(np.uint64)
+    for other in others:
+        total = np.where(spread, (total + other.astype(np.uint64)) % 2**32, total)
+    return total
+
+
+def as_hex(paths: list[str], sums: np.ndarray) -> dict[str, str]:
+    """{path: 8 hex digits}, the form the meta item stores."""
+    return {where: f"{int(s) % 2**32:08x}" for where, s in zip(paths, sums, strict=True)}
+
+
+def checksums(tree: Any) -> dict[str, str]:
+    """{keystr path: 8 hex digits} of the checksum of each array leaf of tree.
+
+    In a multi-process run every process must call it (as every process calls restore): the
+    sums of the processes' shards are added by one all-gather, a collective on the caller's
+    thread. A save adds them in the background instead (``_meta_handler.py``).
+    """
+    copies = host_copies(tree, copy_numpy=False)  # nothing changes tree while this runs
+    sums = local_sums(list(copies.values()))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        shared = np.array([isinstance(x, jax.Array) for _, x in flat])
         # uint32 travels as is (JAX without x64 has no uint64); the adding is done here.
-        local = np.where(shared, sums, 0).astype(np.uint32)
-        gathered = np.asarray(multihost_utils.process_allgather(local)).astype(np.uint64)
-        sums = np.where(shared, gathered.sum(axis=0), sums)  # NumPy leaves: whole everywhere
-    return {where: f"{int(s) % 2**32:08x}" for (where, _), s in zip(flat, sums, strict=True)}
+        gathered = np.asarray(multihost_utils.process_allgather(sums.astype(np.uint32)))
+        spread = np.array([c.spread for c in copies.values()], bool)
+        mine = jax.process_index()
+        sums = add_sums(sums, [g for i, g in enumerate(gathered) if i != mine], spread)
+    return as_hex(list(copies), sums)
 
 
 def verify_checksums(where: str, part: str, expected: dict[str, str], tree: Any) -> None:
