@@ -1,5 +1,6 @@
-"""The documentation runs: every docstring Example in rudax, the README's quickstart and the
-README's main job (examples/quickstart.py)."""
+"""The documentation runs: every docstring Example in rudax, the README's quickstart and
+examples/quickstart.py. The README's main job (examples/lm/train.py) takes minutes: its tiny
+configurations run in tests/lm/test_train.py."""
 
 import doctest
 import importlib
@@ -44,8 +45,13 @@ def test_readme_quickstart_runs():
     exec(compile(blocks[0], "README.md", "exec"), {})
 
 
-def test_main_job_runs():
-    """The README's main command: the quickstart example trains and its loss falls."""
+def test_readme_main_command_is_the_lm_trainer():
+    readme = (ROOT / "README.md").read_text()
+    assert 'python -m pip install -e ".[examples]" && python -m examples.lm.train\n' in readme
+
+
+def test_quickstart_example_runs():
+    """examples/quickstart.py, the README's smaller first example, trains and finishes."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py")],
         capture_output=True,

@@ -1,0 +1,321 @@
+"""The flags of ``python -m examples.lm.train``: each with its default and meaning, validated.
+
+Flags fall in two groups. *Run* flags define what is trained (data, model, optimizer, batch,
+schedule, mesh, seed): they are stored with the run, and ``--resume`` takes them from there
+and refuses a command line that contradicts them. *Session* flags only control this process
+(where to log, how often to evaluate or checkpoint, profiling) and may change between
+sessions of one run.
+
+Every bad value ends in argparse's one-line ``error:`` message and exit code 2: a flag's own
+type checks here, cross-flag checks in ``check``, and checks that need the machine or the
+disk (device count, checkpoints) raise ``UsageError``, which ``train.main`` turns into the
+same message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import Any
+
+MESH_AXES = ("data", "fsdp")
+OPTIMIZERS = ("adamw", "muon", "fused_adamw")
+DTYPES = ("bfloat16", "float32")
+
+# The flags that define a run: stored in its config and checked on --resume.
+RUN_KEYS = (
+    "data",
+    "data_dir",
+    "vocab_size",
+    "seed",
+    "seq_len",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "mlp_hidden",
+    "moe",
+    "num_experts",
+    "top_k",
+    "moe_aux_weight",
+    "param_dtype",
+    "compute_dtype",
+    "optimizer",
+    "lr",
+    "muon_lr",
+    "min_lr_ratio",
+    "warmup",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "clip",
+    "batch_size",
+    "grad_accum",
+    "steps",
+    "mesh",
+    "eval_batches",  # the validation loss's definition
+)
+
+
+class UsageError(Exception):
+    """A flag value that only the machine or the disk can refute; reported like a bad flag."""
+
+
+def _number(kind: type, low: float, *, inclusive: bool = True, high: float | None = None):
+    """An argparse ``type=`` that parses ``kind`` and checks ``low <= x`` (or ``<``) ``< high``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        ok = value >= low if inclusive else value > low
+        if high is not None:
+            ok = ok and value < high
+        if not (ok and math.isfinite(value)):
+            bound = (">= " if inclusive else "> ") + str(low)
+            if high is not None:
+                bound += f" and < {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1)
+non_negative_int = _number(int, 0)
+positive_float = _number(float, 0, inclusive=False)
+non_negative_float = _number(float, 0)
+unit_interval = _number(float, 0, high=1)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}``, axes in MESH_AXES order."""
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = part.strip().partition("=")
+        if not eq or name not in MESH_AXES:
+            raise argparse.ArgumentTypeError(
+                f"expected axis=size pairs with axes {MESH_AXES}, e.g. data=2,fsdp=4; got {text!r}"
+            )
+        if name in sizes:
+            raise argparse.ArgumentTypeError(f"axis {name!r} given twice in {text!r}")
+        try:
+            sizes[name] = int(size)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} size must be an int, got {text!r}") from None
+        if sizes[name] < 1:
+            raise argparse.ArgumentTypeError(f"{name} size must be >= 1, got {text!r}")
+    return {axis: sizes[axis] for axis in MESH_AXES if axis in sizes}
+
+
+def mesh_text(mesh: dict[str, int]) -> str:
+    """``{"data": 2, "fsdp": 4}`` -> ``"data=2,fsdp=4"``, as the flag is written."""
+    return ",".join(f"{axis}={size}" for axis, size in mesh.items())
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` where there is a default to show; None/False ones say it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "(default:" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; ``--help`` lists every flag with its default."""
+    p = argparse.ArgumentParser(
+        prog="python -m examples.lm.train",
+        description=(
+            "Train a small GPT (dense or MoE) with rudax on a local text corpus (default: the "
+            "Python standard library's sources). Writes checkpoints, metrics.jsonl and loss.png "
+            "into the run directory."
+        ),
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # --resume checks which flags were given: no prefixes
+    )
+    run = p.add_argument_group("run (session flags: may change between sessions of one run)")
+    run.add_argument("--runs-dir", default="runs", help="parent directory of new run directories")
+    run.add_argument("--name", help="run directory name under --runs-dir (default: a timestamp)")
+    run.add_argument("--run-dir", help="the run directory itself (overrides --runs-dir/--name)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir (or --name) from its latest checkpoint to --steps; "
+        "its run flags come from the run, and flags given again must agree with them",
+    )
+    run.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start a new run with the model weights of the latest checkpoint of the run "
+        "directory (or checkpoint directory) DIR; the optimizer starts fresh and DIR is only read",
+    )
+    run.add_argument(
+        "--stop-at",
+        type=positive_int,
+        metavar="STEP",
+        help="end this process after update STEP (checkpointed), as an interruption would; "
+        "continue with --resume",
+    )
+    run.add_argument("--log-every", type=positive_int, default=1, help="updates per metrics row")
+    run.add_argument(
+        "--eval-every", type=positive_int, default=50, help="updates between validation losses"
+    )
+    run.add_argument(
+        "--checkpoint-every", type=positive_int, default=50, help="updates between checkpoints"
+    )
+    run.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept on disk")
+    run.add_argument(
+        "--profile",
+        action="store_true",
+        help="time the forward, backward and optimizer phases of one update after warm-up, "
+        "print a table and exit (no training)",
+    )
+    run.add_argument("--trace", metavar="DIR", help="with --profile: write a jax.profiler trace")
+
+    data = p.add_argument_group("data (run flags)")
+    data.add_argument(
+        "--data",
+        help="a text file, a folder of text files, or .jsonl/.parquet with a 'text' column "
+        "(default: the Python standard library's .py files)",
+    )
+    data.add_argument(
+        "--data-dir",
+        help="where the tokenized corpus is prepared and read (default: data/lm for the "
+        "standard library, data/lm-<name> for --data <name>.<ext>)",
+    )
+    data.add_argument("--vocab-size", type=positive_int, default=8192, help="BPE vocabulary")
+    data.add_argument("--seed", type=non_negative_int, default=0, help="init and data order")
+    data.add_argument(
+        "--eval-batches",
+        type=positive_int,
+        default=8,
+        help="fixed validation batches of --batch-size rows, the validation loss's data",
+    )
+
+    model = p.add_argument_group("model (run flags)")
+    model.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
+    model.add_argument("--d-model", type=positive_int, default=256, help="residual width")
+    model.add_argument("--n-layers", type=positive_int, default=4, help="transformer blocks")
+    model.add_argument("--n-heads", type=positive_int, default=4, help="attention heads")
+    model.add_argument(
+        "--mlp-hidden", type=positive_int, help="MLP hidden width (default: ~8/3 d_model)"
+    )
+    model.add_argument("--moe", action="store_true", help="mixture-of-experts MLPs")
+    model.add_argument("--num-experts", type=positive_int, default=4, help="experts with --moe")
+    model.add_argument("--top-k", type=positive_int, default=2, help="experts per token (--moe)")
+    model.add_argument(
+        "--moe-aux-weight",
+        type=non_negative_float,
+        default=0.01,
+        help="load-balancing loss coefficient (--moe)",
+    )
+    model.add_argument(
+        "--param-dtype",
+        choices=DTYPES,
+        default="bfloat16",
+        help="parameter storage dtype (the optimizer keeps fp32 master weights)",
+    )
+    model.add_argument(
+        "--compute-dtype",
+        choices=DTYPES,
+        default="float32",
+        help="activation and matmul dtype (float32 runs faster than bfloat16 on most CPUs)",
+    )
+
+    opt = p.add_argument_group("optimizer (run flags)")
+    opt.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="muon",
+        help="muon: Muon on the blocks' matrices, AdamW on the rest; adamw; fused_adamw",
+    )
+    opt.add_argument(
+        "--lr",
+        type=non_negative_float,
+        default=3e-3,
+        help="AdamW's peak learning rate (with muon: of the embedding, norms and experts; "
+        "for adamw alone 1.5e-3 trains this model more smoothly)",
+    )
+    opt.add_argument(
+        "--muon-lr", type=non_negative_float, default=0.02, help="Muon's peak lr (matrices)"
+    )
+    opt.add_argument(
+        "--min-lr-ratio",
+        type=_number(float, 0, high=1.0000001),
+        default=0.1,
+        help="final lr as a fraction of the peak (cosine decay)",
+    )
+    opt.add_argument("--warmup", type=non_negative_int, default=15, help="linear warmup updates")
+    opt.add_argument(
+        "--weight-decay", type=non_negative_float, default=0.1, help="decoupled weight decay"
+    )
+    opt.add_argument("--beta1", type=unit_interval, default=0.9, help="Adam's b1")
+    opt.add_argument("--beta2", type=unit_interval, default=0.95, help="Adam's b2")
+    opt.add_argument("--eps", type=non_negative_float, default=1e-8, help="Adam's eps")
+    opt.add_argument("--clip", type=positive_float, default=1.0, help="global gradient norm")
+
+    batch = p.add_argument_group("batch, schedule and devices (run flags)")
+    batch.add_argument(
+        "--batch-size", type=positive_int, default=16, help="sequences per microbatch (global)"
+    )
+    batch.add_argument("--grad-accum", type=positive_int, default=1, help="microbatches per update")
+    batch.add_argument("--steps", type=positive_int, default=150, help="optimizer updates")
+    batch.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        help="spread each step over devices, e.g. data=2,fsdp=4 (its size must be the device "
+        "count; on CPU that many devices are simulated); default: one device",
+    )
+    return p
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The ``dest`` of every flag that appears in argv (abbreviations are off)."""
+    given = set()
+    for action in parser._actions:
+        for option in action.option_strings:
+            if any(a == option or a.startswith(option + "=") for a in argv):
+                given.add(action.dest)
+    return given
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run flags as a JSON-able dict, the config a run is stored and checked with."""
+    return {key: getattr(args, key) for key in RUN_KEYS}
+
+
+def check_session(args: argparse.Namespace) -> None:
+    """The session flags' own cross-checks, before --resume reads the run's flags."""
+    if args.resume and args.init_from:
+        raise UsageError("--resume continues a run; --init-from starts a new one: pick one")
+    if args.resume and not (args.run_dir or args.name):
+        raise UsageError("--resume needs the run to continue: give --run-dir or --name")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Cross-flag checks; UsageError names the flags and their values."""
+    if args.warmup >= args.steps:
+        raise UsageError(f"--warmup must be < --steps, got {args.warmup=}, {args.steps=}")
+    if args.stop_at is not None and args.stop_at > args.steps:
+        raise UsageError(f"--stop-at must be <= --steps, got {args.stop_at=}, {args.steps=}")
+    if args.trace and not args.profile:
+        raise UsageError("--trace DIR writes the trace of --profile: add --profile")
+    if args.moe and args.top_k > args.num_experts:
+        raise UsageError(
+            f"--top-k must be <= --num-experts, got {args.top_k=}, {args.num_experts=}"
+        )
+    mesh = args.mesh or {}
+    if args.optimizer == "muon" and mesh.get("fsdp", 1) > 1:
+        raise UsageError(
+            "--optimizer muon orthogonalizes whole matrices; with fsdp > 1 each device holds a "
+            f"flat slice of each: use a data-only mesh or adamw (got --mesh {mesh_text(mesh)})"
+        )
+    devices = math.prod(mesh.values()) if mesh else 1
+    if args.batch_size % devices:
+        raise UsageError(
+            f"--batch-size must be divisible by the mesh's {devices} devices (each holds an "
+            f"equal slice), got --batch-size {args.batch_size}, --mesh {mesh_text(mesh)}"
+        )

@@ -1,0 +1,257 @@
+"""The optimizer and the jitted steps of ``examples.lm.train``, on one device or over a mesh.
+
+One update, as data flows through it (``/work/shared/ARCHITECTURE.md``)::
+
+    for each of the window's microbatches:            micro(params, acc, batch)
+        loss_sum, grads = value_and_grad(loss_sum)      (examples.lm.model: a SUM over tokens)
+        acc = acc.add(grads, weight=tokens)             (rudax.optim.GradientAccumulator)
+    grads, acc = acc.pop(normalize=True)              apply(params, opt_state, acc)
+    updates, opt_state = tx.update(grads, ...)          (clip, fp32 masters, AdamW/Muon)
+    params = optax.apply_updates(params, updates)
+
+Over a mesh only the loss changes: it runs inside ``jax.shard_map``, each device on its
+slice of the batch, and returns one loss sum per device; ``jax.grad`` of their total
+differentiates through the shard_map. Parameters sharded over ``fsdp`` (``rudax.sharding``
+``ShardedParameter``s) get their gradients reduce-scattered by the all-gather's transpose;
+parameters replicated over ``data`` get theirs summed over ``data`` by the transpose of the
+replication (shard_map's ``check_vma`` types them as invariant). So the gradients that come
+out are sums over the whole global batch, sharded like the parameters, and ``tx.update``
+runs outside the shard_map, where the global gradient norm is the norm of the global arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import rudax.optim as ro
+import rudax.sharding as rs
+from examples.lm.model import GPTConfig, loss_sum
+
+# ------------------------------------------------------------------------------- model
+
+
+def model_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTConfig:
+    """The ``GPTConfig`` of the flags; ``vocab_size`` (the tokenizer's) overrides the flag's.
+
+    The vocabulary a tokenizer ends up with can be smaller than ``--vocab-size`` on a tiny
+    corpus, so the trainer passes the prepared one. Raises GPTConfig's ValueError/TypeError
+    naming the field for an inconsistent shape (say ``--d-model`` not a multiple of
+    ``--n-heads``).
+    """
+    return GPTConfig(
+        vocab_size=args.vocab_size if vocab_size is None else vocab_size,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        mlp_hidden=args.mlp_hidden,
+        param_dtype=jnp.dtype(args.param_dtype),
+        dtype=jnp.dtype(args.compute_dtype),
+        num_experts=args.num_experts if args.moe else 0,
+        top_k=args.top_k,
+        moe_aux_weight=args.moe_aux_weight,
+    )
+
+
+# ------------------------------------------------------------------------------- optimizer
+
+
+def _logical_ndim(leaf: Any) -> int:
+    return len(leaf.logical_shape) if isinstance(leaf, rs.ShardedParameter) else jnp.ndim(leaf)
+
+
+def _is_sharded(x: Any) -> bool:
+    return isinstance(x, rs.ShardedParameter)
+
+
+def _labels(params: Any, label: Callable[[str, Any], Any]) -> Any:
+    """label(path, leaf) for every parameter, a ShardedParameter counting as one leaf."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: label(jax.tree_util.keystr(path), x), params, is_leaf=_is_sharded
+    )
+
+
+def make_schedule(args: argparse.Namespace, peak: float) -> optax.Schedule:
+    """Linear warmup to ``peak`` over ``--warmup`` updates, cosine to ``peak * --min-lr-ratio``."""
+    return ro.warmup_cosine_schedule(
+        peak, args.warmup, args.steps, end_value=peak * args.min_lr_ratio
+    )
+
+
+def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+    """The update rule of ``--optimizer``, with clipping and fp32 masters of the bf16 storage.
+
+    * ``adamw``: ``fp32_master(chain(clip_by_global_norm, partition(adamw)))``, weight decay on
+      matrices and the embedding only (norm scales are not decayed, as in GPT-2/nanoGPT).
+    * ``muon``: Muon on the blocks' 2-D matrices (attention, MLP); AdamW without decay on the
+      rest (embedding/tied head, norms, MoE router and the stacked 3-D experts), as Keller
+      Jordan's modded-nanogpt splits them.
+    * ``fused_adamw``: ``rudax.optim.fused_adamw`` with clipping and masters built in; it has
+      no decay mask, so norm scales are decayed too.
+    """
+    lr = make_schedule(args, args.lr)
+    adam = dict(b1=args.beta1, b2=args.beta2, eps=args.eps)
+    if args.optimizer == "fused_adamw":
+        return ro.fused_adamw(lr, weight_decay=args.weight_decay, max_grad_norm=args.clip, **adam)
+    if args.optimizer == "adamw":
+        decayed = lambda params: _labels(
+            params, lambda _, x: "decay" if _logical_ndim(x) >= 2 else "no_decay"
+        )
+        inner = optax.partition(
+            {
+                "decay": ro.adamw(lr, weight_decay=args.weight_decay, **adam),
+                "no_decay": ro.adamw(lr, weight_decay=0.0, **adam),
+            },
+            decayed,
+        )
+    else:
+        matrices = lambda params: _labels(
+            params,
+            lambda path, x: _logical_ndim(x) == 2 and "embed" not in path and "router" not in path,
+        )
+        inner = ro.muon(
+            make_schedule(args, args.muon_lr),
+            weight_decay=args.weight_decay,
+            muon_mask=matrices,
+            adamw_learning_rate=lr,
+            adamw_b1=args.beta1,
+            adamw_b2=args.beta2,
+            adamw_eps=args.eps,
+            adamw_weight_decay=0.0,
+        )
+    return ro.fp32_master(optax.chain(ro.clip_by_global_norm(args.clip), inner))
+
+
+def grad_norm(opt_state: Any) -> jax.Array:
+    """The pre-clip global gradient norm of the last update, read from the optimizer state."""
+    kinds = (ro.ClipByGlobalNormState, ro.FusedAdamWState)
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
+        if isinstance(s, kinds)
+    ]
+    return found[0].global_norm
+
+
+# ------------------------------------------------------------------------------- steps
+
+
+class Steps(NamedTuple):
+    """The jitted functions of a run; each compiles once for the run's shapes."""
+
+    micro: Callable  # (params, acc, batch) -> (acc, metrics): one microbatch into the window
+    apply: Callable  # (params, opt_state, acc) -> (params, opt_state, acc, grad_norm)
+    evaluate: Callable  # (params, batch) -> metrics, no gradient
+    forward: Callable  # (params, batch) -> loss_sum, for --profile
+    gradients: Callable  # (params, batch) -> grads, for --profile
+
+
+def batch_spec(mesh: Mesh | None) -> P:
+    """How a batch is laid out: its rows split over every mesh axis."""
+    return P(tuple(mesh.axis_names)) if mesh is not None else P()
+
+
+def make_steps(graphdef: nnx.GraphDef, rest: Any, tx: Any, *, mesh: Mesh | None) -> Steps:
+    """The run's steps for the model ``nnx.merge(graphdef, params, rest)``.
+
+    Args:
+      graphdef: the model's structure, from ``nnx.split(model, nnx.Param, ...)``.
+      rest: its non-parameter state (empty for the GPT), passed along unchanged.
+      tx: the optimizer.
+      mesh: None for one device; else a mesh with axes ``data`` and/or ``fsdp``, the model
+        already ``shard``ed over ``fsdp`` if the mesh has that axis.
+
+    Returns:
+      ``Steps``. Metrics are fp32/int32 scalars: ``loss_sum`` (what is differentiated),
+      ``ce_sum`` and ``tokens`` (summed over devices) and ``aux_loss`` (mean over devices).
+    """
+
+    def local(params: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return loss_sum(nnx.merge(graphdef, params, rest), batch)
+
+    if mesh is None:
+        objective = local
+    else:
+        param_spec = P("fsdp") if "fsdp" in mesh.axis_names else P()
+        per_device = P(tuple(mesh.axis_names))
+
+        def ranked(params, batch):
+            loss, metrics = local(params, batch)
+            return jax.tree.map(lambda x: x[None], (loss, metrics))
+
+        sharded = jax.shard_map(
+            ranked,
+            mesh=mesh,
+            in_specs=(param_spec, batch_spec(mesh)),
+            out_specs=per_device,
+        )
+
+        def objective(params, batch):
+            loss, metrics = sharded(params, batch)
+            return jnp.sum(loss), {
+                "tokens": jnp.sum(metrics["tokens"]),
+                "ce_sum": jnp.sum(metrics["ce_sum"]),
+                "aux_loss": jnp.mean(metrics["aux_loss"]),
+            }
+
+    def constrain(tree):
+        return (
+            tree if mesh is None else jax.lax.with_sharding_constraint(tree, placement(tree, mesh))
+        )
+
+    def micro(params, acc, batch):
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
+        return acc.add(grads, weight=metrics["tokens"]), {"loss_sum": loss, **metrics}
+
+    def apply(params, opt_state, acc):
+        grads, acc = acc.pop(normalize=True)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # Fresh zeros (the emptied accumulator, new state) would come out replicated, and the
+        # next call would compile again for them: pin everything where the inputs live.
+        params, opt_state, acc = constrain((params, opt_state, acc))
+        return params, opt_state, acc, grad_norm(opt_state)
+
+    def evaluate(params, batch):
+        return objective(params, batch)[1]
+
+    return Steps(
+        micro=jax.jit(micro),
+        apply=jax.jit(apply),
+        evaluate=jax.jit(evaluate),
+        forward=jax.jit(lambda params, batch: objective(params, batch)[0]),
+        gradients=jax.jit(jax.grad(lambda params, batch: objective(params, batch)[0])),
+    )
+
+
+def placement(tree: Any, mesh: Mesh) -> Any:
+    """Where each leaf of the train state lives on the mesh, as a pytree of NamedShardings.
+
+    With an ``fsdp`` axis every parameter is a flat ``ShardedParameter`` vector split over it,
+    and every other non-scalar leaf of the state (fp32 masters, moments, accumulated
+    gradients) mirrors one: all are split over ``fsdp``. Scalars (counters, norms) and, on a
+    data-only mesh, everything are replicated. Works on arrays and on tracers.
+    """
+    split = "fsdp" in mesh.axis_names
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, P("fsdp") if split and jnp.ndim(x) >= 1 else P()), tree
+    )
+
+
+def place(tree: Any, mesh: Mesh | None) -> Any:
+    """tree's arrays put where ``placement`` says (unchanged without a mesh).
+
+    ``tx.init`` and ``GradientAccumulator.init`` leave fresh zeros on one device; a restored
+    checkpoint comes back unsharded. Placing them as the jitted steps return them lets every
+    update reuse the first one's compilation.
+    """
+    return tree if mesh is None else jax.device_put(tree, placement(tree, mesh))

@@ -1,0 +1,398 @@
+"""Train a small GPT with rudax, end to end: the README's main job.
+
+    python -m examples.lm.train                          # a few minutes on a 2-core CPU
+    python -m examples.lm.train --moe --steps 100        # top-2 of 4 experts per token
+    python -m examples.lm.train --mesh data=2,fsdp=4 --optimizer adamw  # 8 devices, FSDP
+    python -m examples.lm.train --name a --stop-at 100   # ... later:
+    python -m examples.lm.train --name a --resume        # continues to --steps, bit for bit
+
+With no flags it tokenizes the Python standard library's own sources into ``data/lm`` (once:
+a BPE trained locally, nothing downloaded), trains a 4-layer GPT on them with bf16 weights,
+fp32 master weights, Muon on the blocks' matrices and AdamW on the rest, warmup + cosine and
+global-norm clipping, evaluates the validation loss every ``--eval-every`` updates,
+checkpoints every ``--checkpoint-every``, and leaves in ``runs/<timestamp>/``:
+``config.json``, ``checkpoints/``, ``metrics.jsonl`` and ``loss.png``. ``--help`` lists every
+flag.
+
+Everything rudax offers runs here: ``rudax.layers`` (the model, ``examples/lm/model.py``),
+``rudax.optim`` (``fp32_master``, ``GradientAccumulator``, clipping, schedules, AdamW, Muon,
+fused AdamW), ``rudax.sharding`` (FSDP over a mesh inside ``jax.shard_map``) and
+``rudax.checkpoint`` (the whole state, restored exactly). The step itself is in
+``examples/lm/step.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from tqdm.auto import tqdm
+
+import rudax.checkpoint as rc
+import rudax.optim as ro
+import rudax.sharding as rs
+from examples.lm import config as cfg
+from examples.lm.corpus import CorpusError
+from examples.lm.data import TokenLoader
+from examples.lm.model import GPT, GPTConfig, flops_per_token, shard
+from examples.lm.prepare import prepare, read_prepared, shard_paths
+from examples.lm.report import MetricsLog, plot_losses, read_rows
+from examples.lm.step import (
+    batch_spec,
+    make_optimizer,
+    make_schedule,
+    make_steps,
+    model_config,
+    place,
+)
+from examples.lm.timing import profile
+
+UsageError = cfg.UsageError
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the trainer; bad flags end in argparse's ``error:`` line and exit code 2.
+
+    Args:
+      argv: the command line without the program name; None reads ``sys.argv``.
+
+    Returns:
+      A summary: ``run_dir``, ``metrics``, ``plot`` (paths), ``step`` (the last update),
+      ``loss``/``val_loss`` (the last train and validation losses), ``tokens_per_s``, and
+      ``compilations`` (how often each jitted step compiled); with ``--profile``, only
+      ``profile``, the table printed.
+    """
+    parser = cfg.build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    try:
+        with jax.numpy_dtype_promotion("strict"):  # precision is explicit in rudax code
+            return train(args, cfg.given_flags(parser, argv))
+    except UsageError as e:
+        parser.error(str(e))
+
+
+def train(args: Any, given: set[str]) -> dict[str, Any]:
+    """The run itself, top to bottom; see the module docstring."""
+    # --------------------------------------------------------------------------- config
+    cfg.check_session(args)
+    run_dir = _run_dir(args)
+    if args.resume:
+        _take_run_flags(args, given, run_dir)
+    elif (run_dir / "checkpoints").exists():
+        raise UsageError(
+            f"{run_dir} already holds a run: continue it with --resume, or pick "
+            "another --name/--run-dir"
+        )
+    cfg.check(args)
+    run_config = cfg.run_config(args)
+    stop = args.stop_at or args.steps
+    if args.resume:
+        latest = _latest_step(run_dir / "checkpoints", "--resume")
+        if latest >= stop:
+            raise UsageError(
+                f"--resume: the run is at update {latest} already; nothing to do "
+                f"up to update {stop}"
+            )
+    init_from = _checkpoint_root(args.init_from) if args.init_from else None
+    try:
+        model_config(args)  # a shape error now, not after the corpus is prepared
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"model: {e}") from e
+
+    # --------------------------------------------------------------------------- mesh
+    mesh = _mesh(args.mesh)
+
+    # --------------------------------------------------------------------------- data
+    data_dir = Path(args.data_dir or _default_data_dir(args.data))
+    try:
+        prepare(args.data, data_dir, vocab_size=args.vocab_size)
+        vocab_size = read_prepared(data_dir)["vocab_size"]
+        # Batch i is a pure function of (seed, i): resuming at update s needs nothing but s.
+        loader = lambda split: TokenLoader(
+            shard_paths(data_dir, split),
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+        train_data = loader("train")
+        val_batches = loader("val").eval_batches(args.eval_batches)
+    except (CorpusError, ValueError) as e:
+        raise UsageError(f"data: {e}") from e
+    put = lambda b: b if mesh is None else jax.device_put(b, NamedSharding(mesh, batch_spec(mesh)))
+
+    # --------------------------------------------------------------------------- model
+    config = model_config(args, vocab_size)  # the tokenizer's vocabulary
+    model = create_model(config, args.seed)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if mesh is not None and "fsdp" in mesh.axis_names:
+        # Gathered (and the gradients reduce-scattered) in fp32: the bf16 rounding of a
+        # gradient then happens once, as on one device, not once per device.
+        model = shard(model, rs.ShardingContext(mesh, "fsdp"), compute_dtype=jnp.float32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = place(params, mesh)
+    del model
+
+    # --------------------------------------------------------------------------- optimizer
+    tx = make_optimizer(args)
+    lr_at = jax.jit(make_schedule(args, args.lr))  # the lr of update s is lr_at(s - 1)
+    opt_state = place(jax.jit(tx.init)(params), mesh)
+    acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32), mesh)
+
+    # --------------------------------------------------------------------------- step
+    steps = make_steps(graphdef, rest, tx, mesh=mesh)
+    microbatch = lambda s, a: put(train_data.batch((s - 1) * args.grad_accum + a))
+    if args.profile:
+        table = profile(
+            steps,
+            params,
+            opt_state,
+            acc,
+            [microbatch(1, a) for a in range(args.grad_accum)],
+            flops_per_token=flops_per_token(config),
+            trace_dir=args.trace,
+        )
+        print(table + (f"\ntrace written to {args.trace}" if args.trace else ""))
+        return {"profile": table}
+
+    def evaluate() -> float:
+        ce, n = 0.0, 0
+        for b in val_batches:
+            m = steps.evaluate(params, put(b))
+            ce, n = ce + float(m["ce_sum"]), n + int(m["tokens"])
+        return ce / n
+
+    # --------------------------------------------------------------------------- checkpoint
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+    checkpointer = rc.Checkpointer(run_dir / "checkpoints", keep=args.keep)
+    # No RNG key to keep: the model has no dropout and batch i is drawn from (seed, i), so
+    # the update count is the whole data position; the schedule's is in the optimizer state.
+    record = lambda step, tokens: rc.TrainingRecord.capture(
+        model=params,
+        optimizer=opt_state,
+        accumulator=acc,
+        state={"step": step, "tokens": tokens},
+        config=run_config,
+    )
+    step, tokens = 0, 0
+    if args.resume:
+        try:  # the record's config is compared with this run's: a mismatch is an error
+            restored = checkpointer.restore(record(0, 0))
+        except ValueError as e:
+            raise UsageError(f"--resume: {e}") from e
+        params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
+        step, tokens = restored.state["step"], restored.state["tokens"]
+        print(f"resumed {run_dir} at update {step} of {args.steps}")
+    elif init_from is not None:
+        params = _init_from(init_from, params)
+
+    # --------------------------------------------------------------------------- loop
+    log = MetricsLog(run_dir / "metrics.jsonl", resume_step=step if args.resume else None)
+    tokens_per_update = args.batch_size * args.seq_len * args.grad_accum
+    where = f" over mesh {cfg.mesh_text(args.mesh)}" if mesh is not None else ""
+    print(
+        f"training a {n_params:,}-parameter GPT{where} on {data_dir}, updates {step + 1} to "
+        f"{stop} of {args.steps}, {tokens_per_update:,} tokens each"
+    )
+    if step == 0:
+        log.write(kind="eval", step=0, val_loss=evaluate())
+    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True)
+    last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
+    clock, clock_tokens = None, tokens
+    while step < stop:
+        step += 1
+        window = []
+        for a in range(args.grad_accum):
+            acc, m = steps.micro(params, acc, microbatch(step, a))
+            window.append(m)
+        params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
+        tokens += tokens_per_update
+        # Reading the loss waits for the update, so the bar counts finished updates.
+        loss = sum(float(m["ce_sum"]) for m in window) / sum(int(m["tokens"]) for m in window)
+        if clock is None:  # the session's first update compiled the steps: time from its end
+            clock, clock_tokens = time.perf_counter(), tokens
+        elapsed = time.perf_counter() - clock
+        rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
+        lr = float(lr_at(step - 1))
+        last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
+        bar.set_postfix(
+            loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
+        )
+        bar.update(1)
+        if step % args.log_every == 0 or step == stop:
+            row = dict(
+                kind="train",
+                step=step,
+                loss=loss,
+                lr=lr,
+                grad_norm=float(norm),
+                tokens=tokens,
+                tokens_per_s=rate,
+            )
+            if config.num_experts:
+                row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
+            log.write(**row)
+        paused = False
+        if step % args.eval_every == 0 or step == args.steps:
+            last["val_loss"] = evaluate()
+            log.write(kind="eval", step=step, val_loss=last["val_loss"])
+            bar.write(
+                f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
+                f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+            )
+            paused = True
+        if step % args.checkpoint_every == 0 or step == stop:
+            checkpointer.save(step, record(step, tokens))
+            paused = True
+        if paused:  # evaluation and checkpoint time are not training throughput
+            clock, clock_tokens = time.perf_counter(), tokens
+    bar.close()
+    checkpointer.close()
+
+    # --------------------------------------------------------------------------- report
+    if step == args.steps:
+        log.write(
+            kind="end",
+            step=step,
+            loss=last["loss"],
+            val_loss=last["val_loss"],
+            tokens=tokens,
+            tokens_per_s=last["tokens_per_s"],
+        )
+    log.close()
+    plot = run_dir / "loss.png"
+    title = f"{run_dir.name}: {config.n_layers}x{config.d_model} GPT, {args.optimizer}"
+    plot_losses(read_rows(log.path), plot, title=title)
+    if step < args.steps:
+        print(
+            f"stopped at update {step} of {args.steps} (--stop-at); continue with: "
+            f"python -m examples.lm.train --resume --run-dir {run_dir}"
+        )
+    print(
+        f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
+        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+    )
+    print(f"metrics: {log.path}\nloss curve: {plot}\ncheckpoints: {checkpointer.directory}")
+    return {
+        "run_dir": str(run_dir),
+        "metrics": str(log.path),
+        "plot": str(plot),
+        "step": step,
+        **last,
+        "compilations": {
+            name: getattr(steps, name)._cache_size() for name in ("micro", "apply", "evaluate")
+        },
+    }
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+@functools.partial(nnx.jit, static_argnums=(0, 1))
+def create_model(config: GPTConfig, seed: int) -> GPT:
+    """The GPT initialized from ``seed``, under jit: one compilation, not one per initializer
+    shape, and (jit's cache is keyed by the static config) none for a second run alike."""
+    return GPT(config, rngs=nnx.Rngs(seed))
+
+
+def _show(x: float | None, spec: str = ".4f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _run_dir(args: Any) -> Path:
+    if args.run_dir:
+        return Path(args.run_dir)
+    return Path(args.runs_dir) / (args.name or time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
+    """--resume: the run flags come from the run; any given again must agree."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
+    conflicts = [
+        f"--{key.replace('_', '-')} {getattr(args, key)!r} (the run has {saved[key]!r})"
+        for key in cfg.RUN_KEYS
+        if key in given and getattr(args, key) != saved[key]
+    ]
+    if conflicts:
+        raise UsageError("--resume: flags differ from the run's: " + "; ".join(conflicts))
+    for key in cfg.RUN_KEYS:
+        setattr(args, key, saved[key])
+
+
+def _default_data_dir(data: str | None) -> str:
+    # One folder per source, so a run on another corpus never meets the stdlib's tokens.
+    return "data/lm" if data is None else f"data/lm-{Path(data).stem}"
+
+
+def _mesh(spec: dict[str, int] | None) -> Mesh | None:
+    """The mesh of ``--mesh``; on CPU that many devices are simulated if JAX has not started."""
+    if not spec:
+        return None
+    n = math.prod(spec.values())
+    try:  # must precede the backend's start; afterwards the device count is what it is
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass
+    if jax.device_count() != n:
+        raise UsageError(
+            f"--mesh {cfg.mesh_text(spec)} needs {n} devices, this process has "
+            f"{jax.device_count()} ({jax.devices()[0].platform})"
+        )
+    return Mesh(np.array(jax.devices()).reshape(tuple(spec.values())), tuple(spec))
+
+
+def _latest_step(directory: Path, flag: str) -> int:
+    """The newest committed checkpoint step in directory; UsageError if there is none."""
+    if not directory.is_dir():
+        raise UsageError(f"{flag}: no checkpoint directory {directory}")
+    checkpointer = rc.Checkpointer(directory)
+    try:
+        latest = checkpointer.latest_step()
+    finally:
+        checkpointer.close()
+    if latest is None:
+        raise UsageError(f"{flag}: no checkpoint in {directory}")
+    return latest
+
+
+def _checkpoint_root(source: str) -> Path:
+    """--init-from DIR: DIR's checkpoints/ if DIR is a run directory, else DIR itself."""
+    root = Path(source)
+    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    _latest_step(root, "--init-from")
+    return root
+
+
+def _init_from(root: Path, params: Any) -> Any:
+    """The model weights of root's latest checkpoint, nothing else; root is only read."""
+    checkpointer = rc.Checkpointer(root)
+    like = rc.TrainingRecord(model=params, optimizer=None, accumulator=None, state=None)
+    try:
+        # strict=False: read the model part only, whatever optimizer and config it ran with.
+        restored = checkpointer.restore(like, strict=False)
+        latest = checkpointer.latest_step()
+    except ValueError as e:
+        raise UsageError(f"--init-from: {e}") from e
+    finally:
+        checkpointer.close()
+    print(f"initialized from the weights of {root} (update {latest})")
+    return restored.model
+
+
+if __name__ == "__main__":
+    main()
