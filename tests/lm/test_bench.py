@@ -1,0 +1,193 @@
+"""examples/lm/bench.py: its references compute the trainer's model and update, its statistics.
+
+The benchmark's ratios mean something only if every arm trains the same model the same way:
+the flax+optax reference is checked against the rudax model (loss and gradient) and the
+trainer's optimizer (two updates) at fp32; the PyTorch reference the same way when a Python
+with torch is at hand (``RUDAX_TORCH_PYTHON``, or this interpreter), else skipped. The
+t-quantile is checked against a numerical integral of Student's density.
+"""
+
+import doctest
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import examples.lm.bench as bench
+from examples.lm.config import build_parser
+from examples.lm.model import GPT, loss_sum
+from examples.lm.step import make_optimizer, model_config
+
+# A model smaller than the "tiny" preset: these tests check arithmetic, not speed.
+SMALLEST = ["--vocab-size=64", "--seq-len=16", "--d-model=32", "--n-layers=2", "--n-heads=2"]
+SMALLEST += ["--batch-size=4"]
+# As a bench preset, with --warmup=0: the first update already has the peak learning rate.
+PRESET = [*SMALLEST, "--warmup=0", "--lr=1e-2"]
+# The trainer's flags the bench builds from it with --param-dtype=float32 (the optimizer is
+# pinned by the bench: the one the references implement).
+ARGV = [*PRESET, "--optimizer=adamw", "--compute-dtype=float32", "--param-dtype=float32"]
+
+
+def _setup():
+    args = build_parser().parse_args(ARGV)
+    config = model_config(args)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, config.vocab_size, (args.batch_size, config.seq_len + 1), np.int32)
+    return args, config, model, batch
+
+
+def _rudax_trajectory(args, model, batch, updates):
+    """Mean losses before each of `updates` updates by the trainer's optimizer, from model."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = make_optimizer(args)
+    loss_fn = lambda p: loss_sum(nnx.merge(graphdef, p, rest), batch)[0] / batch[:, 1:].size
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state, losses = tx.init(params), []
+    for _ in range(updates):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    return losses
+
+
+def test_load_refuses_other_parameters():
+    config = model_config(build_parser().parse_args(ARGV))
+    abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    arrays = {k: np.zeros(v.shape, np.float32) for k, v in _flat_shapes(abstract).items()}
+    bench.RefGPT.from_arrays(config, arrays, dtype=jnp.float32)  # all present: loads
+    del arrays["norm.scale"]
+    with pytest.raises(ValueError, match=r"norm\.scale"):
+        bench.RefGPT.from_arrays(config, arrays, dtype=jnp.float32)
+
+
+def _flat_shapes(model):
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {".".join(map(str, path)): v.get_value() for path, v in flat}
+
+
+def _t_cdf_by_integration(q, df):
+    """P(0 <= T <= q) by Simpson's rule on Student's density, the test's own reference."""
+    t = np.linspace(0.0, q, 200_001)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    f = np.exp(log_c - (df + 1) / 2 * np.log1p(t * t / df))
+    h = t[1] - t[0]
+    return h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 8, 9, 30, 101])
+def test_t_quantile_against_the_integrated_density(df):
+    q = bench.t_quantile(0.975, df)
+    assert _t_cdf_by_integration(q, df) == pytest.approx(0.475, abs=1e-7)
+
+
+def test_t_quantile_table_values_and_bad_input():
+    # Two-sided 95% factors as printed in every t table.
+    for df, value in [(1, 12.706), (4, 2.776), (10, 2.228), (30, 2.042)]:
+        assert round(bench.t_quantile(0.975, df), 3) == value
+    assert bench.t_quantile(0.5, 3) == pytest.approx(0.0, abs=1e-11)
+    for p, df in [(0.4, 3), (1.0, 3), (0.975, 0), (0.975, 2.0), (0.975, True)]:
+        with pytest.raises(ValueError, match=r"(p|df) must"):
+            bench.t_quantile(p, df)
+
+
+def test_ratio_interval_is_a_t_interval_on_log_ratios():
+    ratios = [0.91, 1.02, 0.97, 1.10, 0.95]
+    logs = np.log(ratios)
+    half = 2.7764451051977987 * logs.std(ddof=1) / np.sqrt(5)  # t_{0.975, 4}
+    expected = np.exp([logs.mean(), logs.mean() - half, logs.mean() + half])
+    np.testing.assert_allclose(bench.ratio_interval(ratios), expected, rtol=1e-9)
+    for bad in ([1.0], [1.0, 0.0], [1.0, -2.0]):
+        with pytest.raises(ValueError, match="ratios must"):
+            bench.ratio_interval(bad)
+
+
+def test_docstring_examples():
+    result = doctest.testmod(bench, optionflags=doctest.ELLIPSIS)
+    assert result.attempted and result.failed == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rounds=1"], "must be >= 2"),
+        (["--arms=flax+optax"], "rudax included"),
+        (["--arms=rudax,jax"], "rudax included"),
+        (["--config=huge"], "invalid choice"),
+        (["--torch-python=/nonexistent/python"], "must be an executable"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.standard_promotion  # the flax+optax arm runs optax.adamw
+def test_flax_arm_trains_the_trainers_model_the_same_way(tmp_path, monkeypatch, capsys):
+    """The harness end to end, with fp32 storage so that the two arms' losses must agree."""
+    # A fixed peak and the smallest model: this test checks the arithmetic, not the machine.
+    monkeypatch.setattr(bench, "matmul_flops_per_s", lambda: {"jax": 1e9})
+    monkeypatch.setitem(bench.PRESETS, "tiny", PRESET)
+    out = tmp_path / "bench.json"
+    argv = ["--config=tiny", "--arms=rudax,flax+optax", "--rounds=2", "--steps-per-round=1"]
+    result = bench.main([*argv, "--warmup=1", "--param-dtype=float32", f"--json={out}"])
+    assert json.loads(out.read_text()) == result
+    assert set(result["arms"]) == {"rudax", "flax+optax"}
+    rudax, flax = result["arms"]["rudax"], result["arms"]["flax+optax"]
+
+    # Same function at the same weights, then the same 5 updates (1 + 2 x (1 + 1) steps).
+    assert flax["initial_loss"] == pytest.approx(rudax["initial_loss"], rel=1e-6)
+    assert flax["final_loss"] == pytest.approx(rudax["final_loss"], rel=1e-5)
+    assert rudax["final_loss"] < rudax["initial_loss"] - 0.1
+    assert result["warnings"] == []  # the bench's own check of the same
+
+    assert len(rudax["tokens_per_s"]) == 2
+    assert rudax["mean"] == statistics.fmean(rudax["tokens_per_s"])
+    assert rudax["tokens_per_s"][0] == result["tokens_per_step"] / rudax["seconds_per_step"][0]
+    assert rudax["mfu"] == pytest.approx(rudax["mean"] * result["flops_per_token"] / 1e9)
+    ratio = result["ratios"]["flax+optax"]
+    assert ratio["per_round"] == pytest.approx(
+        [r / f for r, f in zip(rudax["tokens_per_s"], flax["tokens_per_s"], strict=True)]
+    )
+    assert "rudax / flax+optax" in capsys.readouterr().out
+
+
+def _torch_python():
+    python = os.environ.get("RUDAX_TORCH_PYTHON")
+    if python:
+        return python
+    return sys.executable if importlib.util.find_spec("torch") else None
+
+
+@pytest.mark.skipif(
+    _torch_python() is None,
+    reason="no torch here: set RUDAX_TORCH_PYTHON to a Python with torch (pip install "
+    "torch==2.13.0) to check the PyTorch reference",
+)
+def test_torch_reference_is_the_trainers_model_and_update(tmp_path):
+    args, config, model, batch = _setup()
+    spec = bench.torch_spec(args, config, "float32", threads=1, workdir=tmp_path)
+    np.savez(spec["arrays"], batch=batch, **bench.flat_params(model))
+    arm = bench.TorchArm(_torch_python(), spec, tmp_path, "eager")
+    try:
+        first = arm.warmup(1)["first_loss"]
+        losses = [first, *(arm() or arm.loss for _ in range(2))]
+    finally:
+        arm.close()
+    np.testing.assert_allclose(losses, _rudax_trajectory(args, model, batch, 3), rtol=1e-5)
