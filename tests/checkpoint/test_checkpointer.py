@@ -12,6 +12,7 @@ import pytest
 
 import rudax.checkpoint as rc
 import rudax.optim as ro
+from tests.checkpoint._assertions import assert_bitwise_equal
 
 
 def _params():
@@ -40,19 +41,6 @@ def _record(params=None, step_seed=0, pos=5):
     )
 
 
-def _assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        if isinstance(x, str | int | float | bool) and not isinstance(x, np.generic):
-            assert type(x) is type(y) and x == y
-            continue
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes()
-
-
 def _fresh_like(record):
     return jax.tree.map(lambda x: jnp.zeros_like(x) if isinstance(x, jax.Array) else x, record)
 
@@ -65,7 +53,7 @@ def test_round_trip_is_bitwise(tmp_path):
     assert int(restored.optimizer[0].count) == 1
     assert int(restored.accumulator.count) == 1
     assert restored.state["data_position"] == 5 and restored.state["run"] == "exp-1"
-    _assert_bitwise_equal(restored, record)
+    assert_bitwise_equal(restored, record)
 
 
 def test_round_trip_without_optional_parts(tmp_path):
@@ -75,7 +63,7 @@ def test_round_trip_without_optional_parts(tmp_path):
         ckpt.save(0, record)
         restored = ckpt.restore(record)
     assert restored.accumulator is None and restored.state is None
-    _assert_bitwise_equal(restored, record)
+    assert_bitwise_equal(restored, record)
 
 
 def test_resume_mid_window_matches_a_straight_run(tmp_path):
@@ -126,9 +114,9 @@ def test_resume_mid_window_matches_a_straight_run(tmp_path):
         resumed = ckpt.restore(_fresh_like(init))
     resumed, more = run(resumed, 3, 6)
 
-    _assert_bitwise_equal(resumed.model, straight.model)
-    _assert_bitwise_equal(resumed.optimizer, straight.optimizer)
-    _assert_bitwise_equal(resumed.accumulator, straight.accumulator)
+    assert_bitwise_equal(resumed.model, straight.model)
+    assert_bitwise_equal(resumed.optimizer, straight.optimizer)
+    assert_bitwise_equal(resumed.accumulator, straight.accumulator)
     assert [loss.tobytes() for loss in losses + more] == [
         loss.tobytes() for loss in straight_losses
     ]
@@ -146,7 +134,7 @@ def test_retention_keeps_the_newest(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["2", "5"]
     with rc.Checkpointer(tmp_path, keep=2) as ckpt:  # steps are found again after a restart
         assert ckpt.all_steps() == [2, 5]
-        _assert_bitwise_equal(ckpt.restore(record, step=2), record)
+        assert_bitwise_equal(ckpt.restore(record, step=2), record)
 
 
 def test_async_save_round_trips(tmp_path):
@@ -154,7 +142,7 @@ def test_async_save_round_trips(tmp_path):
     with rc.Checkpointer(tmp_path, async_save=True) as ckpt:
         ckpt.save(1, record)
         ckpt.wait()
-        _assert_bitwise_equal(ckpt.restore(record), record)
+        assert_bitwise_equal(ckpt.restore(record), record)
 
 
 def _reshaped(record):
@@ -215,7 +203,7 @@ def test_readable_with_plain_orbax(tmp_path):
         ckpt.save(4, record)
     with ocp.StandardCheckpointer() as plain:
         model = plain.restore(tmp_path / "4" / "model")
-    _assert_bitwise_equal(model, record.model)
+    assert_bitwise_equal(model, record.model)
     with open(tmp_path / "4" / "meta" / "metadata") as f:  # orbax JsonSave's file name
         meta = json.load(f)
     assert meta["step"] == 4 and meta["python_state"]["['run']"] == "exp-1"
@@ -269,5 +257,5 @@ def test_retention_moves_a_step_away_before_deleting_it(tmp_path, monkeypatch):
     shutil.copytree(tmp_path / "2", tmp_path / "rudax-deleting" / "1" / "half")
     with rc.Checkpointer(tmp_path, keep=1) as ckpt:
         assert ckpt.all_steps() == [2]
-        _assert_bitwise_equal(ckpt.restore(record), record)
+        assert_bitwise_equal(ckpt.restore(record), record)
     assert sorted(os.listdir(tmp_path)) == ["2"]

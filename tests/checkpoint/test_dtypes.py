@@ -5,11 +5,11 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import rudax.checkpoint as rc
 import rudax.optim as ro
+from tests.checkpoint._assertions import assert_bitwise_equal
 
 TX = ro.fp32_master(ro.adamw(1e-2, weight_decay=0.1))
 UPDATE = jax.jit(TX.update)  # one compilation for every update in this file
@@ -61,18 +61,6 @@ def saved(tmp_path_factory):
     return root, record
 
 
-def _assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        if isinstance(x, int):
-            assert type(x) is type(y) and x == y
-            continue
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-
-
 def test_mixed_precision_restores_from_an_fp32_template(saved):
     root, record = saved
     like = _fp32_template()
@@ -84,12 +72,12 @@ def test_mixed_precision_restores_from_an_fp32_template(saved):
         "norm": "float16",
         "head": "float32",
     }
-    _assert_bitwise_equal(restored, record)
+    assert_bitwise_equal(restored, record)
     assert restored.dtypes == record.dtypes
     # The restored state carries on exactly: one more update equals one on the original.
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), record.model)
     expected = UPDATE(grads, record.optimizer, record.model)
-    _assert_bitwise_equal(UPDATE(grads, restored.optimizer, restored.model), expected)
+    assert_bitwise_equal(UPDATE(grads, restored.optimizer, restored.model), expected)
 
 
 def test_plain_restore_still_wants_the_saved_dtypes(saved):

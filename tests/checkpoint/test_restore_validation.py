@@ -7,11 +7,11 @@ import struct
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import rudax.checkpoint as rc
 import rudax.optim as ro
+from tests.checkpoint._assertions import assert_bitwise_equal
 
 CONFIG = {
     "optimizer": {"name": "adamw", "lr": 3e-4, "b1": 0.9, "b2": 0.95, "weight_decay": 0.1},
@@ -50,18 +50,6 @@ def saved(tmp_path_factory):
     return root, record
 
 
-def _assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        if isinstance(x, str | int | float | bool):
-            assert type(x) is type(y) and x == y
-            continue
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-
-
 def test_config_is_saved_exactly_and_checked(tmp_path):
     tricky = {
         "floats": [0.1, 1 / 3, 5e-324, 1.7976931348623157e308, -0.0, 2.0**-1074 * 3],
@@ -81,7 +69,7 @@ def test_config_is_saved_exactly_and_checked(tmp_path):
     assert bits(on_disk["floats"]) == bits(tricky["floats"])
     assert type(on_disk["big"]) is int and on_disk["big"] == 2**70 + 1
     assert restored.config == tricky
-    _assert_bitwise_equal(restored, record)
+    assert_bitwise_equal(restored, record)
 
 
 def _set(config, path, value):
@@ -131,7 +119,7 @@ def test_a_different_config_names_the_first_differing_path(saved, template_confi
         # record carries the template's config, the one the run goes on with.
         restored = ckpt.restore(like, strict=False)
     assert restored.config == template_config
-    _assert_bitwise_equal(restored._replace(config=CONFIG), record)
+    assert_bitwise_equal(restored._replace(config=CONFIG), record)
 
 
 def test_model_only_restore_reads_only_the_model(saved, tmp_path):
@@ -149,7 +137,7 @@ def test_model_only_restore_reads_only_the_model(saved, tmp_path):
             ckpt.restore(like)
         restored = ckpt.restore(like, strict=False)
     assert restored.optimizer is None and restored.accumulator is None and restored.state is None
-    _assert_bitwise_equal(restored.model, record.model)
+    assert_bitwise_equal(restored.model, record.model)
 
 
 def test_a_part_that_was_not_saved_is_an_error_in_both_modes(tmp_path):

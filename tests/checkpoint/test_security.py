@@ -19,6 +19,7 @@ import rudax.checkpoint as rc
 import rudax.optim as ro
 from rudax.checkpoint._integrity import checksums
 from rudax.checkpoint._meta import parse_meta
+from tests.checkpoint._assertions import assert_bitwise_equal
 
 
 def _record():
@@ -55,11 +56,6 @@ def _restore(root, record, step=2):
         return ckpt.restore(record, step=step)
 
 
-def _assert_bitwise_equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-
-
 # --- no pickle -----------------------------------------------------------------------------
 
 
@@ -74,7 +70,7 @@ def test_no_pickle_in_save_or_restore(tmp_path, monkeypatch):
         with rc.Checkpointer(tmp_path / str(async_save), async_save=async_save) as ckpt:
             ckpt.save(1, record)
             ckpt.wait()
-            _assert_bitwise_equal(ckpt.restore(record), record)
+            assert_bitwise_equal(ckpt.restore(record), record)
     # Nor does any file written look like a pickle (protocol 2+ starts with b"\x80" + version).
     for parent, _, files in os.walk(tmp_path):
         for name in files:
@@ -112,7 +108,7 @@ def test_only_plain_decimal_names_are_steps(copy, saved):
     with rc.Checkpointer(copy) as ckpt:
         assert ckpt.all_steps() == [1, 2]
         assert ckpt.latest_step() == 2
-        _assert_bitwise_equal(ckpt.restore(record), record)
+        assert_bitwise_equal(ckpt.restore(record), record)
 
 
 def test_a_symlinked_step_is_refused(copy, saved, tmp_path):
@@ -127,7 +123,7 @@ def test_a_symlinked_step_is_refused(copy, saved, tmp_path):
                 rc.CheckpointCorruptedError, match=r"30: the step directory is a symlink"
             ):
                 ckpt.restore(record, step=step)
-        _assert_bitwise_equal(ckpt.restore(record, step=2), record)
+        assert_bitwise_equal(ckpt.restore(record, step=2), record)
 
 
 def test_a_symlink_inside_a_step_is_refused(copy, saved, tmp_path):
@@ -195,7 +191,7 @@ def test_flipped_bytes_never_restore_silently(copy, saved):
         message = r"ckpt/2: record\.model\['w'\] was read back with checksum [0-9a-f]{8}, saved"
     with pytest.raises(rc.CheckpointCorruptedError, match=message):
         _restore(copy, record)
-    _assert_bitwise_equal(_restore(copy, record, step=1), record)  # the other step is intact
+    assert_bitwise_equal(_restore(copy, record, step=1), record)  # the other step is intact
 
 
 def _edit_meta(copy, edit):
