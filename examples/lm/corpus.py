@@ -14,6 +14,7 @@ reason (``Document.skipped``) so ``prepare`` can list it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import io
@@ -80,7 +81,7 @@ def decode(path: Path, data: bytes) -> tuple[str, str]:
         return "", f"does not decode as text: {type(e).__name__}: {e}"
 
 
-class Corpus:
+class Corpus(abc.ABC):
     """A source of documents: see ``open_corpus``.
 
     Attributes:
@@ -93,13 +94,13 @@ class Corpus:
     size_bytes: int
     uses_text_column: bool = False
 
+    @abc.abstractmethod
     def fingerprint(self) -> str:
         """A hash of the names, sizes and modification times of the files read."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def documents(self, *, val_fraction: float, seed: int) -> Iterator[Document]:
         """Every document in the corpus's order, with its split."""
-        raise NotImplementedError
 
 
 def _stat_hash(entries: list[tuple[str, os.stat_result]]) -> str:
