@@ -70,17 +70,34 @@ def apply_rope(x_BxTxHxK: jax.Array, *, theta: float = 10000.0) -> jax.Array:
     return y.astype(x_BxTxHxK.dtype)
 
 
-def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array) -> jax.Array:
+# Query rows per block of ``causal_attention``: small enough that the masked half it skips
+# matters (T = 256 in 4 blocks computes 10/16 of the scores), large enough that each block's
+# matmuls stay efficient.
+QUERY_BLOCK = 64
+
+
+def causal_attention(
+    q_BxTxHxK: jax.Array,
+    k_BxTxHxK: jax.Array,
+    v_BxTxHxK: jax.Array,
+    *,
+    query_block: int = QUERY_BLOCK,
+) -> jax.Array:
     """``softmax(q k^T / sqrt(K) + causal mask) v``, scores and softmax in fp32.
 
-    Written out rather than ``jax.nn.dot_product_attention(..., is_causal=True)``, whose XLA
-    path is the same arithmetic (fp32 scores and softmax, probabilities cast to ``v``'s
-    dtype): on a 2-core CPU, one training step of the default ``GPTConfig`` (batch 16) cost
-    the same with either (fp32 compute: 0.99x, bf16: the plain form 2% cheaper, in CPU time
-    per step over 4 interleaved rounds), so the form a reader can check won.
+    The queries are split into blocks of ``query_block`` rows; block ``[s, e)`` attends only
+    to keys ``[0, e)``, the causal mask applied inside the block. The keys past ``e`` would
+    only get probability 0 (``exp(-inf)``), so each row's softmax is the same function as
+    over the full masked row, and the ``~T^2/2`` scores above the diagonal's blocks are never
+    computed. On a 2-core CPU (T = 256, fp32, the default ``GPTConfig``'s 4 heads of 64,
+    batch 16) blocks of 64 rows made attention's forward and backward 1.4x faster than the
+    full ``T x T`` form (62 -> 43 ms; blocks of 32: 1.25x, of 128: 1.3x) and a whole training
+    step 3% cheaper (2.6-6% over four paired runs). The full form had cost the same as
+    ``jax.nn.dot_product_attention(..., is_causal=True)``.
 
     Args:
       q_BxTxHxK, k_BxTxHxK, v_BxTxHxK: queries, keys, values of one dtype.
+      query_block: query rows per block, >= 1; ``T`` or more: one block, the full form.
 
     Returns:
       ``[batch, time, heads, head_dim]`` in ``v``'s dtype.
@@ -91,6 +108,9 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
       >>> v = jnp.arange(3.0).reshape(1, 3, 1, 1)
       >>> causal_attention(jnp.zeros((1, 3, 1, 1)), jnp.zeros((1, 3, 1, 1)), v)[0, :, 0, 0]
       Array([0. , 0.5, 1. ], dtype=float32)
+      >>> q = jnp.zeros((1, 3, 1, 1))  # blocks of 2 query rows: the same result
+      >>> causal_attention(q, q, v, query_block=2)[0, :, 0, 0]
+      Array([0. , 0.5, 1. ], dtype=float32)
     """
     shapes = {q_BxTxHxK.shape, k_BxTxHxK.shape, v_BxTxHxK.shape}
     if len(shapes) != 1 or q_BxTxHxK.ndim != 4:
@@ -98,14 +118,26 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
             f"causal_attention expects q, k, v of one [batch, time, heads, head_dim] shape, got "
             f"q.shape={q_BxTxHxK.shape}, k.shape={k_BxTxHxK.shape}, v.shape={v_BxTxHxK.shape}"
         )
+    check_positive_int("query_block", query_block)
     t, k = q_BxTxHxK.shape[1], q_BxTxHxK.shape[-1]
-    scores = jnp.einsum(
-        "bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK, preferred_element_type=jnp.float32
-    ) * (1.0 / math.sqrt(k))
-    # -inf is safe: every row keeps its diagonal, so no row is all masked.
-    scores_BxHxTxT = jnp.where(np.tril(np.ones((t, t), bool)), scores, -jnp.inf)
-    probs = jax.nn.softmax(scores_BxHxTxT, axis=-1).astype(v_BxTxHxK.dtype)
-    return jnp.einsum("bhts,bshk->bthk", probs, v_BxTxHxK)
+    scale = 1.0 / math.sqrt(k)
+    outs = []
+    for s in range(0, t, query_block):
+        e = min(s + query_block, t)
+        scores = (
+            jnp.einsum(
+                "bthk,bshk->bhts",
+                q_BxTxHxK[:, s:e],
+                k_BxTxHxK[:, :e],
+                preferred_element_type=jnp.float32,
+            )
+            * scale
+        )
+        # Query row s + i sees keys 0 .. s + i. -inf is safe: every row keeps its diagonal.
+        mask = np.tril(np.ones((e - s, e), bool), k=s)
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+        outs.append(jnp.einsum("bhts,bshk->bthk", probs.astype(v_BxTxHxK.dtype), v_BxTxHxK[:, :e]))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 class CausalSelfAttention(nnx.Module):

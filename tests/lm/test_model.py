@@ -124,6 +124,27 @@ def test_attention_layer_matches_plain_numpy():
     np.testing.assert_allclose(np.asarray(ours), np.asarray(jax_own), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("query_block", [1, 2, 3, 5])
+def test_block_causal_attention_matches_numpy_for_every_query_block(query_block):
+    # Query blocks attend only to the keys up to their last row: the same arithmetic as the
+    # full masked softmax, whatever the block size (3 leaves a ragged last block).
+    q, k, v = (_normal(2, 5, 2, 4, seed=i).astype(np.float64) for i in range(3))
+    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(4)
+    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
+    want = np.einsum("bhts,bshk->bthk", _np_softmax(scores), v)
+    got = jax.jit(causal_attention, static_argnames="query_block")(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), query_block=query_block
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_query_block_is_named(bad):
+    x = jnp.ones((1, 4, 1, 4))
+    with pytest.raises((TypeError, ValueError), match="query_block"):
+        causal_attention(x, x, x, query_block=bad)
+
+
 def test_loss_sum_is_numpy_cross_entropy_summed():
     config = _config(num_experts=4, top_k=2, moe_aux_weight=0.5)
     model = GPT(config, rngs=nnx.Rngs(0))
