@@ -12,9 +12,10 @@ only, as the trainer) with the trainer's linear-warmup-cosine learning rate thro
 bf16 copy (its AMP casts per op); with ``compute_dtype="bfloat16"`` the step runs under
 ``torch.autocast("cpu", torch.bfloat16)``.
 
-This file imports only torch, numpy and the standard library: ``bench`` runs it as a child
-process with a Python that has torch (rudax does not depend on torch), so the benchmark's
-arms alternate in one process tree. The protocol, one JSON object per line::
+This file imports only torch, numpy and the standard library: ``examples.lm.arms.TorchArm``
+runs it for ``bench`` as a child process with a Python that has torch (rudax does not depend
+on torch), so the benchmark's arms alternate in one process tree.
+The protocol, one JSON object per line::
 
     argv:    torch_ref.py SPEC.json          (config, hyperparameters, mode, threads, arrays)
     child -> {"event": "ready", "torch": version, "threads": n}

@@ -1,10 +1,13 @@
-"""examples/lm/bench.py: its references compute the trainer's model and update, its statistics.
+"""examples/lm/bench.py and its parts: the references compute the trainer's model and update
+(``flax_ref.py``, ``arms.py`` driving ``torch_ref.py``), the statistics (``stats.py``), the
+harness and its report (``bench.py``).
 
 The benchmark's ratios mean something only if every arm trains the same model the same way:
 the flax+optax reference is checked against the rudax model (loss and gradient) and the
 trainer's optimizer (two updates) at fp32; the PyTorch reference the same way when a Python
 with torch is at hand (``RUDAX_TORCH_PYTHON``, or this interpreter), else skipped. The
-t-quantile is checked against a numerical integral of Student's density.
+t-quantile is checked against a numerical integral of Student's density. The report says which
+``XLA_FLAGS`` the JAX arms ran with.
 """
 
 import doctest
@@ -23,7 +26,10 @@ import pytest
 from flax import nnx
 
 import examples.lm.bench as bench
+import examples.lm.stats as stats
+from examples.lm.arms import TorchArm, torch_spec
 from examples.lm.config import build_parser
+from examples.lm.flax_ref import RefGPT, flat_params
 from examples.lm.model import GPT, loss_sum
 from examples.lm.step import make_optimizer, model_config
 
@@ -69,10 +75,10 @@ def test_load_refuses_other_parameters():
     config = model_config(build_parser().parse_args(ARGV))
     abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     arrays = {k: np.zeros(v.shape, np.float32) for k, v in _flat_shapes(abstract).items()}
-    bench.RefGPT.from_arrays(config, arrays, dtype=jnp.float32)  # all present: loads
+    RefGPT.from_arrays(config, arrays, dtype=jnp.float32)  # all present: loads
     del arrays["norm.scale"]
     with pytest.raises(ValueError, match=r"norm\.scale"):
-        bench.RefGPT.from_arrays(config, arrays, dtype=jnp.float32)
+        RefGPT.from_arrays(config, arrays, dtype=jnp.float32)
 
 
 def _flat_shapes(model):
@@ -91,18 +97,18 @@ def _t_cdf_by_integration(q, df):
 
 @pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 8, 9, 30, 101])
 def test_t_quantile_against_the_integrated_density(df):
-    q = bench.t_quantile(0.975, df)
+    q = stats.t_quantile(0.975, df)
     assert _t_cdf_by_integration(q, df) == pytest.approx(0.475, abs=1e-7)
 
 
 def test_t_quantile_table_values_and_bad_input():
     # Two-sided 95% factors as printed in every t table.
     for df, value in [(1, 12.706), (4, 2.776), (10, 2.228), (30, 2.042)]:
-        assert round(bench.t_quantile(0.975, df), 3) == value
-    assert bench.t_quantile(0.5, 3) == pytest.approx(0.0, abs=1e-11)
+        assert round(stats.t_quantile(0.975, df), 3) == value
+    assert stats.t_quantile(0.5, 3) == pytest.approx(0.0, abs=1e-11)
     for p, df in [(0.4, 3), (1.0, 3), (0.975, 0), (0.975, 2.0), (0.975, True)]:
         with pytest.raises(ValueError, match=r"(p|df) must"):
-            bench.t_quantile(p, df)
+            stats.t_quantile(p, df)
 
 
 def test_ratio_interval_is_a_t_interval_on_log_ratios():
@@ -110,14 +116,15 @@ def test_ratio_interval_is_a_t_interval_on_log_ratios():
     logs = np.log(ratios)
     half = 2.7764451051977987 * logs.std(ddof=1) / np.sqrt(5)  # t_{0.975, 4}
     expected = np.exp([logs.mean(), logs.mean() - half, logs.mean() + half])
-    np.testing.assert_allclose(bench.ratio_interval(ratios), expected, rtol=1e-9)
+    np.testing.assert_allclose(stats.ratio_interval(ratios), expected, rtol=1e-9)
     for bad in ([1.0], [1.0, 0.0], [1.0, -2.0]):
         with pytest.raises(ValueError, match="ratios must"):
-            bench.ratio_interval(bad)
+            stats.ratio_interval(bad)
 
 
-def test_docstring_examples():
-    result = doctest.testmod(bench, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", [bench, stats], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted and result.failed == 0
 
 
@@ -165,7 +172,46 @@ def test_flax_arm_trains_the_trainers_model_the_same_way(tmp_path, monkeypatch, 
     assert ratio["per_round"] == pytest.approx(
         [r / f for r, f in zip(rudax["tokens_per_s"], flax["tokens_per_s"], strict=True)]
     )
-    assert "rudax / flax+optax" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "rudax / flax+optax" in printed
+    # tests/conftest.py sets XLA_FLAGS (the simulated devices): never empty here.
+    assert result["xla_flags"] == os.environ["XLA_FLAGS"] != ""
+    assert f"XLA_FLAGS: {os.environ['XLA_FLAGS']}" in printed.splitlines()
+
+
+def _result(xla_flags):
+    """A result as ``bench.main`` returns it, small: rudax alone (no ratios), two rounds."""
+    config = {"d_model": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "seq_len": 16}
+    config |= {"batch_size": 4, "dtype": "float32", "param_dtype": "float32"}
+    arm = {"tokens_per_s": [1000.0, 1100.0], "mean": 1050.0, "sd": 70.7, "mfu": 0.01}
+    arm |= {"first_step_s": 1.5, "initial_loss": 4.2, "final_loss": 4.0}
+    return {
+        "config": config,
+        "tokens_per_step": 64,
+        "flops_per_token": 1e6,
+        "threads": 2,
+        "xla_flags": xla_flags,
+        "torch": "torch arms skipped",
+        "matmul_peak_flops_per_s": {"jax": 1e10},
+        "peak_flops_per_s": 1e10,
+        "load_average_before": [0.5, 0.5, 0.5],
+        "load_average_after": [0.6, 0.5, 0.5],
+        "rounds": 2,
+        "steps_per_round": 1,
+        "arms": {"rudax": arm},
+        "ratios": {},
+        "warnings": [],
+    }
+
+
+def test_report_names_the_xla_flags_it_ran_with_when_there_are_any():
+    flags = "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=2"
+    with_flags = bench.report(_result(flags)).splitlines()
+    without = bench.report(_result("")).splitlines()
+    assert f"XLA_FLAGS: {flags}" in with_flags
+    assert not any("XLA_FLAGS" in line for line in without)
+    # The flags add that one line and change nothing else.
+    assert [line for line in with_flags if not line.startswith("XLA_FLAGS: ")] == without
 
 
 def _torch_python():
@@ -182,9 +228,9 @@ def _torch_python():
 )
 def test_torch_reference_is_the_trainers_model_and_update(tmp_path):
     args, config, model, batch = _setup()
-    spec = bench.torch_spec(args, config, "float32", threads=1, workdir=tmp_path)
-    np.savez(spec["arrays"], batch=batch, **bench.flat_params(model))
-    arm = bench.TorchArm(_torch_python(), spec, tmp_path, "eager")
+    spec = torch_spec(args, config, "float32", threads=1, workdir=tmp_path)
+    np.savez(spec["arrays"], batch=batch, **flat_params(model))
+    arm = TorchArm(_torch_python(), spec, tmp_path, "eager")
     try:
         first = arm.warmup(1)["first_loss"]
         losses = [first, *(arm() or arm.loss for _ in range(2))]
