@@ -24,6 +24,7 @@ from flax import nnx
 import rudax.layers as rl
 import rudax.sharding as rs
 from examples.lm.attention import CausalSelfAttention
+from examples.lm.loss import linear_cross_entropy_sum
 from examples.lm.moe import IMPLS, MoE
 from rudax._validation import (
     STORAGE_DTYPES,
@@ -72,6 +73,10 @@ class GPTConfig:
       top_k: experts per token, in ``[1, num_experts]``; unused when dense.
       moe_aux_weight: coefficient of the load-balancing loss in ``loss_sum``, >= 0.
       moe_impl: ``"auto"``, ``"ragged"`` or ``"dense"``, see ``examples/lm/moe.py``.
+      loss_chunk: tokens per chunk of ``loss_sum``'s fused head and cross entropy
+        (``examples/lm/loss.py``), which never holds the whole ``[B, T, V]`` logits; None
+        computes the full logits and differentiates them plainly. The loss is the same up
+        to float summation order.
 
     Example:
       >>> from examples.lm.model import GPTConfig
@@ -97,6 +102,7 @@ class GPTConfig:
     top_k: int = 2
     moe_aux_weight: float = 0.01
     moe_impl: str = "auto"
+    loss_chunk: int | None = 1024
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -142,6 +148,8 @@ class GPTConfig:
         check_non_negative("moe_aux_weight", self.moe_aux_weight, accept="static")
         if self.moe_impl not in IMPLS:
             raise ValueError(f"moe_impl must be one of {IMPLS}, got moe_impl={self.moe_impl!r}")
+        if self.loss_chunk is not None:
+            check_positive_int("loss_chunk", self.loss_chunk)
 
     @property
     def head_dim(self) -> int:
@@ -275,6 +283,11 @@ class GPT(nnx.Module):
         self.head = rl.TiedProjection(self.embed, dtype=c.dtype)
 
     def __call__(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        h_BxTxD, aux = self.features(tokens_BxT)
+        return self.head(h_BxTxD), aux
+
+    def features(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(norm(x), aux_loss)``: what the head projects to logits, and the balancing loss."""
         tokens_BxT = jnp.asarray(tokens_BxT)
         _check_tokens("tokens_BxT", tokens_BxT, self.config.seq_len)
         x_BxTxD = self.embed(tokens_BxT)
@@ -282,8 +295,7 @@ class GPT(nnx.Module):
         for block in self.blocks:
             x_BxTxD, aux_l = block(x_BxTxD)
             aux.append(aux_l)
-        logits_BxTxV = self.head(self.norm(x_BxTxD))
-        return logits_BxTxV, jnp.mean(jnp.stack(aux))
+        return self.norm(x_BxTxD), jnp.mean(jnp.stack(aux))
 
 
 def _check_tokens(name: str, tokens: jax.Array, max_len: int) -> None:
@@ -304,6 +316,10 @@ def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, ja
         logits, aux = model(inputs)
         ce_sum = sum_{b,t} logsumexp(logits[b, t]) - logits[b, t, targets[b, t]]   (fp32)
         loss_sum = ce_sum + moe_aux_weight * aux * n
+
+    With ``config.loss_chunk`` set (the default) ``ce_sum`` is computed ``loss_chunk``
+    tokens at a time by ``examples.lm.loss.linear_cross_entropy_sum``, which never holds
+    all the logits; the value and its gradient are the same up to float summation order.
 
     The contract a trainer relies on: the loss is a *sum* over tokens, so for microbatches
     ``i`` of ``n_i`` tokens, ``acc.add(grad(loss_sum_i), weight=n_i)`` and then
@@ -338,11 +354,27 @@ def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, ja
             f"batch_BxT1.shape={batch_BxT1.shape}"
         )
     inputs_BxT, targets_BxT = batch_BxT1[:, :-1], batch_BxT1[:, 1:]
-    logits_BxTxV, aux = model(inputs_BxT)
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    target_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-    ce_sum = jnp.sum(lse_BxT - target_BxT)
+    if model.config.loss_chunk is None:
+        logits_BxTxV, aux = model(inputs_BxT)
+        logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+        lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+        target_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+        ce_sum = jnp.sum(lse_BxT - target_BxT)
+    else:
+        h_BxTxD, aux = model.features(inputs_BxT)
+        # The fused loss needs the head's table itself; a sharded head gathers it here, as
+        # calling it would.
+        head = model.head
+        if isinstance(head, rs.ShardedModule):
+            head = head.gathered()
+        n_tokens, d = targets_BxT.size, h_BxTxD.shape[-1]
+        ce_sum = linear_cross_entropy_sum(
+            h_BxTxD.reshape(n_tokens, d),
+            head.embedding[...],
+            targets_BxT.reshape(n_tokens),
+            dtype=head.dtype,
+            chunk=model.config.loss_chunk,
+        )
     n = targets_BxT.size
     total = ce_sum + model.config.moe_aux_weight * float(n) * aux
     return total, {"tokens": jnp.asarray(n, jnp.int32), "ce_sum": ce_sum, "aux_loss": aux}

@@ -229,7 +229,20 @@ def store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
 def varying_axes(x: Any) -> frozenset:
     """The mesh axes ``x`` varies over inside ``shard_map``; empty outside it or without
     ``check_vma``. jax 0.10 keeps the set in ``aval.mat.varying``, earlier releases in
-    ``aval.vma``."""
+    ``aval.vma``. Public as ``rudax.sharding.varying_axes``.
+
+    Args:
+      x: an array or tracer.
+
+    Returns:
+      A frozenset of mesh axis names.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import rudax.sharding as rs
+      >>> rs.varying_axes(jnp.ones(3))  # outside shard_map nothing varies
+      frozenset()
+    """
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)
     if mat is not None and hasattr(mat, "varying"):
@@ -244,7 +257,27 @@ def vary_like(value: Any, *others: Any) -> Any:
     ``shard_map`` a replicated norm scale meets activations that vary per rank, and its
     gradient (a sum over this rank's rows) varies too; casting the scale to varying first
     makes that the primal's type, and the cast's own transpose sums the gradient over the
-    ranks, as the gradient of a replicated parameter must be.
+    ranks, as the gradient of a replicated parameter must be. Outside ``shard_map`` it
+    returns ``value`` unchanged. Public as ``rudax.sharding.vary_like``.
+
+    Args:
+      value: an array (or None, returned as is).
+      *others: the arrays whose varying mesh axes ``value`` must cover.
+
+    Returns:
+      ``value``, cast to varying over the axes it lacked.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> import rudax.sharding as rs
+      >>> mesh = jax.sharding.Mesh(jax.devices(), ("data",))
+      >>> def f(w, x):
+      ...     print(sorted(rs.varying_axes(w)), sorted(rs.varying_axes(rs.vary_like(w, x))))
+      ...     return x
+      >>> y = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))(
+      ...     jnp.ones(3), jnp.ones((jax.device_count(), 3)))
+      [] ['data']
     """
     if value is None:
         return value

@@ -10,6 +10,10 @@ Everything here runs inside ``jax.shard_map`` over a ``jax.sharding.Mesh`` (Auto
 # [block: collectives]
 from rudax.sharding import collectives as collectives
 
+# [block: compat]
+from rudax.sharding._compat import vary_like as vary_like
+from rudax.sharding._compat import varying_axes as varying_axes
+
 # [block: data_parallel]
 from rudax.sharding._data_parallel import DataParallel as DataParallel
 from rudax.sharding._data_parallel import MissingGradientPolicy as MissingGradientPolicy
@@ -26,4 +30,6 @@ __all__ = [
     "ShardedParameter",
     "ShardingContext",
     "collectives",
+    "vary_like",
+    "varying_axes",
 ]

@@ -10,8 +10,8 @@ releases: ``aval.mat.varying`` on jax 0.10, ``aval.vma`` before it (read in
 
 from __future__ import annotations
 
-from rudax.kernels._compat import varying_axes
+from rudax.kernels._compat import vary_like, varying_axes
 
 # The kernels need the same reading of shard_map's tracking for their custom_vjp rules, and
 # rudax.kernels imports nothing from rudax.sharding, so the one definition lives there.
-__all__ = ["varying_axes"]
+__all__ = ["vary_like", "varying_axes"]
