@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rudax._validation import check_positive_int, float_dtype
+from rudax.layers._matmul import rows_matmul
 from rudax.layers._validation import check_features
 
 # flax's nnx.Embed default: N(0, 1/features), the fan-in taken over the feature axis.
@@ -143,7 +144,7 @@ class TiedProjection(nnx.Module):
         check_features("TiedProjection", x, self.features)
         dtype = x.dtype if self.dtype is None else self.dtype
         # Contract the feature axes directly: no transposed copy of the table is made.
-        logits = jnp.einsum("...d,vd->...v", x.astype(dtype), self.embedding[...].astype(dtype))
+        logits = rows_matmul(x.astype(dtype), self.embedding[...].astype(dtype), w_axis=1)
         if self.bias is not None:
             logits = logits + self.bias[...].astype(dtype)
         return logits

@@ -10,6 +10,7 @@ from flax import nnx
 from jax import lax
 
 from rudax._validation import check_bool, check_positive_int, float_dtype
+from rudax.layers._matmul import rows_matmul
 from rudax.layers._validation import check_features
 
 # flax's default for dense kernels: a normal truncated at ±2 std, scaled to variance 1/in.
@@ -86,12 +87,7 @@ class Linear(nnx.Module):
         x = jnp.asarray(x)
         check_features("Linear", x, self.in_features)
         dtype = x.dtype if self.dtype is None else self.dtype
-        y = lax.dot_general(
-            x.astype(dtype),
-            self.kernel[...].astype(dtype),
-            (((x.ndim - 1,), (0,)), ((), ())),
-            precision=self.precision,
-        )
+        y = rows_matmul(x.astype(dtype), self.kernel[...].astype(dtype), precision=self.precision)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y

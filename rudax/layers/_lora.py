@@ -12,6 +12,7 @@ from flax import nnx
 from rudax._validation import check_positive, check_positive_int, float_dtype
 from rudax.layers._dropout import Dropout
 from rudax.layers._linear import Linear
+from rudax.layers._matmul import rows_matmul
 from rudax.layers._validation import check_features, check_rate
 
 _SCALE_RULES = ("alpha/rank", "alpha/sqrt(rank)")
@@ -140,5 +141,5 @@ class LoRALinear(nnx.Module):
         dtype = x.dtype if self.dtype is None else self.dtype
         h = self.dropout(x, deterministic=deterministic).astype(dtype)
         # Scaling the rank-sized intermediate costs rank, not out, multiplies per row.
-        low_rank = (h @ self.lora_a[...].astype(dtype)) * self.scale
-        return self.base(x).astype(dtype) + low_rank @ self.lora_b[...].astype(dtype)
+        low_rank = rows_matmul(h, self.lora_a[...].astype(dtype)) * self.scale
+        return self.base(x).astype(dtype) + rows_matmul(low_rank, self.lora_b[...].astype(dtype))

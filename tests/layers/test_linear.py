@@ -1,5 +1,6 @@
 """Tests of rudax.layers.Linear against numpy: shapes, storage and compute dtypes, jit."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,6 +90,25 @@ def test_grad_wrt_params():
     grads = nnx.grad(lambda m: jnp.sum(m(x)))(layer)
     np.testing.assert_allclose(grads["kernel"][...], np.repeat(x.sum(0)[:, None], 2, 1), rtol=1e-6)
     np.testing.assert_allclose(grads["bias"][...], np.full(2, 4.0), rtol=1e-6)
+
+
+def test_grad_of_a_3d_input_is_one_gemm_over_the_flattened_rows():
+    # The leading axes are merged before the dot, so the kernel's gradient contracts one
+    # axis (XLA:CPU would transpose the activations to contract two), and it still equals
+    # x^T dy summed over every row.
+    layer = rl.Linear(3, 2, use_bias=False, rngs=nnx.Rngs(0))
+    x = normal((2, 4, 3), 1)
+    loss = lambda m: jnp.sum(m(x) ** 2)
+    jaxpr = jax.make_jaxpr(nnx.grad(loss))(layer)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(len(e.params["dimension_numbers"][0][0]) == 1 for e in dots)
+    rows = np.asarray(x, np.float64).reshape(8, 3)
+    dy = 2 * rows @ np.asarray(layer.kernel[...], np.float64)
+    np.testing.assert_allclose(nnx.grad(loss)(layer)["kernel"][...], rows.T @ dy, rtol=1e-5)
+
+
+def test_zero_rows_give_an_empty_output():
+    assert rl.Linear(3, 2, rngs=nnx.Rngs(0))(jnp.ones((0, 4, 3))).shape == (0, 4, 2)
 
 
 def test_call_rejects_wrong_features_and_integer_input():
