@@ -22,6 +22,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -68,7 +69,9 @@ class JaxArm:
 class TorchArm:
     """``torch_ref.py`` in a child process; calling it runs one step there and waits for it."""
 
-    def __init__(self, python: str, spec: dict, workdir: Path, mode: str):
+    def __init__(
+        self, python: str, spec: dict, workdir: Path, mode: str, *, env: dict | None = None
+    ):
         self.mode = mode
         spec_path = workdir / f"spec_{mode}.json"
         spec_path.write_text(json.dumps({**spec, "mode": mode}))
@@ -79,6 +82,8 @@ class TorchArm:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
+            # Extra environment for the child, e.g. host_memory.MALLOC_ENV.
+            env=None if env is None else {**os.environ, **env},
         )
         self.ready = self._reply("ready")
         self.loss = math.nan  # the last step's loss

@@ -48,6 +48,11 @@ jax, numpy and torch (before and after the rounds: the best of both, so a busy m
 lower the peak). The environment's ``XLA_FLAGS`` are recorded and printed with the table: XLA's
 CPU flags change the JAX arms' speed, so a table says what ran.
 
+Every arm, unless ``--system-malloc``, keeps the memory it frees for reuse
+(``examples/lm/host_memory.py``; the trainer does the same): glibc's default hands a large
+block back to the system on ``free``, and the next step faults it in again page by page. On
+the 2-core VM this was a fifth of a rudax step and a tenth of a torch step.
+
 This file is the harness: presets, the rudax arm, the peak, the command line and the report.
 The arms' machinery lives in ``examples/lm/arms.py`` (``JaxArm``, ``TorchArm``), the
 references in ``examples/lm/flax_ref.py`` and ``examples/lm/torch_ref.py``.
@@ -79,6 +84,7 @@ from benchmarks._timing import alternate, ratio_summary
 from examples.lm.arms import JaxArm, TorchArm, torch_python, torch_spec
 from examples.lm.config import build_parser
 from examples.lm.flax_ref import flat_params, flax_arm
+from examples.lm.host_memory import MALLOC_ENV, retain_freed_memory
 from examples.lm.model import GPT, flops_per_token
 from examples.lm.report import format_table
 from examples.lm.stats import ratio_interval
@@ -238,6 +244,12 @@ def build_bench_parser() -> argparse.ArgumentParser:
         help="Python with torch for the torch arms; unset: this one if it has torch, else "
         "those arms are skipped",
     )
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="leave the C library's malloc at its defaults in every arm; by default every arm "
+        "keeps freed memory for reuse (examples/lm/host_memory.py)",
+    )
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="weights and batch")
     p.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
     return p
@@ -251,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error(f"--torch-python must be an executable, got {opts.torch_python!r}")
     # XLA reads XLA_FLAGS once, when its backend starts: the environment still holds them.
     xla_flags = os.environ.get("XLA_FLAGS", "")
+    # Every arm alike: this process before JAX's CPU client starts, the torch children from
+    # their start (the environment glibc reads).
+    kept = False if opts.system_malloc else retain_freed_memory()
     load_before = list(os.getloadavg())
     threads = os.cpu_count() or 1
     args = trainer_args(opts.config, opts.compute_dtype, opts.param_dtype)
@@ -273,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         np.savez(spec["arrays"], batch=batch_np, **arrays)
         for name, mode in (("torch", "eager"), ("torch.compile", "compile")):
             if name in wanted:
-                arms[name] = TorchArm(python, spec, workdir, mode)
+                arms[name] = TorchArm(python, spec, workdir, mode, env=MALLOC_ENV if kept else None)
                 stack.callback(arms[name].close)
 
         peaks = measure_peaks(arms)
@@ -305,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "flops_per_token": fpt,
         "threads": threads,
         "xla_flags": xla_flags,
+        "retain_freed_memory": kept,
         "torch": torch_note,
         "torch_versions": torch_versions,
         "load_average_before": load_before,
@@ -371,6 +387,12 @@ def report(result: dict) -> str:
         f"torch.set_num_threads({result['threads']})); {result['torch']}",
         # Flags such as --xla_cpu_* change the JAX arms' speed: the table says what ran.
         *([f"XLA_FLAGS: {result['xla_flags']}"] if result["xla_flags"] else []),
+        "host memory: "
+        + (
+            "freed memory kept for reuse in every arm (examples/lm/host_memory.py)"
+            if result["retain_freed_memory"]
+            else "the C library's malloc defaults"
+        ),
         "peak fp32 matmul (2048^3, best of 5 before and 5 after the rounds): "
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in result["matmul_peak_flops_per_s"].items())
         + f" GFLOP/s -> peak {result['peak_flops_per_s'] / 1e9:.1f} GFLOP/s",

@@ -45,6 +45,7 @@ import rudax.sharding as rs
 from examples.lm import config as cfg
 from examples.lm.corpus import CorpusError
 from examples.lm.data import TokenLoader
+from examples.lm.host_memory import retain_freed_memory
 from examples.lm.model import GPT, GPTConfig, flops_per_token, shard
 from examples.lm.prepare import prepare, read_prepared, shard_paths
 from examples.lm.report import MetricsLog, plot_losses, read_rows
@@ -112,6 +113,8 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         raise UsageError(f"model: {e}") from e
 
     # --------------------------------------------------------------------------- mesh
+    # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
+    retain_freed_memory()
     mesh = _mesh(args.mesh)
 
     # --------------------------------------------------------------------------- data

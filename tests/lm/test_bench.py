@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import statistics
 import sys
 
@@ -176,10 +177,11 @@ def test_flax_arm_trains_the_trainers_model_the_same_way(tmp_path, monkeypatch, 
     assert "rudax / flax+optax" in printed
     # tests/conftest.py sets XLA_FLAGS (the simulated devices): never empty here.
     assert result["xla_flags"] == os.environ["XLA_FLAGS"] != ""
+    assert result["retain_freed_memory"] is (platform.libc_ver()[0] == "glibc")
     assert f"XLA_FLAGS: {os.environ['XLA_FLAGS']}" in printed.splitlines()
 
 
-def _result(xla_flags):
+def _result(xla_flags, retain_freed_memory=True):
     """A result as ``bench.main`` returns it, small: rudax alone (no ratios), two rounds."""
     config = {"d_model": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "seq_len": 16}
     config |= {"batch_size": 4, "dtype": "float32", "param_dtype": "float32"}
@@ -191,6 +193,7 @@ def _result(xla_flags):
         "flops_per_token": 1e6,
         "threads": 2,
         "xla_flags": xla_flags,
+        "retain_freed_memory": retain_freed_memory,
         "torch": "torch arms skipped",
         "matmul_peak_flops_per_s": {"jax": 1e10},
         "peak_flops_per_s": 1e10,
@@ -212,6 +215,14 @@ def test_report_names_the_xla_flags_it_ran_with_when_there_are_any():
     assert not any("XLA_FLAGS" in line for line in without)
     # The flags add that one line and change nothing else.
     assert [line for line in with_flags if not line.startswith("XLA_FLAGS: ")] == without
+
+
+def test_report_says_how_host_memory_was_managed():
+    kept = bench.report(_result("")).splitlines()
+    system = bench.report(_result("", retain_freed_memory=False)).splitlines()
+    assert "host memory: freed memory kept for reuse in every arm" in "\n".join(kept)
+    assert "host memory: the C library's malloc defaults" in system
+    assert sum(a != b for a, b in zip(kept, system, strict=True)) == 1
 
 
 def _torch_python():
