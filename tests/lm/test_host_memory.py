@@ -71,3 +71,11 @@ def test_elsewhere_than_glibc_it_reports_false(monkeypatch):
         assert retain_freed_memory() is False
     finally:
         retain_freed_memory.cache_clear()
+
+
+def test_doctests():
+    import doctest
+
+    import examples.lm.host_memory as host_memory
+
+    assert doctest.testmod(host_memory, raise_on_error=True).attempted > 0
