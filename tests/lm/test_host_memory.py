@@ -1,5 +1,6 @@
 """examples/lm/host_memory.py: with it, a large freed block is reused, not faulted in again."""
 
+import doctest
 import json
 import os
 import platform
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import examples.lm.host_memory as host_memory
 from examples.lm.host_memory import MALLOC_ENV, retain_freed_memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,8 +76,4 @@ def test_elsewhere_than_glibc_it_reports_false(monkeypatch):
 
 
 def test_doctests():
-    import doctest
-
-    import examples.lm.host_memory as host_memory
-
     assert doctest.testmod(host_memory, raise_on_error=True).attempted > 0
