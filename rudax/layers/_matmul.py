@@ -15,7 +15,8 @@ def rows_matmul(
     weight's gradient that autodiff derives is one 2-D GEMM contracting the rows. Left with
     ``[B, T, K]``, that gradient contracts two axes, and XLA:CPU makes it a GEMM by first
     writing transposed copies of the activations: with this reshape a 4-layer GPT step on 2
-    CPU cores went from 1.22 s to 0.99 s. On GPU the reshape is free as well.
+    CPU cores went from 1.22 s to 0.99 s. Merging leading axes is a bitcast in XLA on any
+    backend: nothing is copied.
 
     Args:
       x: the input, ``[..., K]``.
