@@ -21,8 +21,9 @@ class Embedding(nnx.Module):
 
     ``c`` casts to the compute dtype ``dtype`` (None: the table's storage dtype, as flax's
     ``nnx.Embed``); only the gathered rows are cast, not the whole table. ids outside
-    ``[0, num_embeddings)`` cannot be checked under ``jit``: they give NaN rows (``jnp.take``'s
-    ``fill`` mode) rather than torch's error or a silently clamped row.
+    ``[0, num_embeddings)``, negative ones included, cannot be checked under ``jit``: they give
+    NaN rows (a gather in ``fill`` mode that does not wrap negative indices) and no gradient,
+    rather than torch's error, a silently clamped row or NumPy's wrap of -1 to the last row.
 
     Args:
       num_embeddings: number of rows (the vocabulary size), > 0.
@@ -74,7 +75,10 @@ class Embedding(nnx.Module):
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"Embedding expects integer ids, got ids.dtype={ids.dtype}")
-        rows = jnp.take(self.embedding[...], ids, axis=0)
+        # NumPy indexing (jnp.take's too) wraps -1..-V to the last rows; a negative id is as
+        # wrong as one >= V, so both fill NaN, and their rows get no gradient.
+        table = self.embedding[...]
+        rows = table.at[ids].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
         return rows if self.dtype is None else rows.astype(self.dtype)
 
 

@@ -32,6 +32,26 @@ def test_lookup_matches_numpy():
     assert np.isnan(embed(jnp.array([7]))).all()
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("ids_dtype", [jnp.int8, jnp.int32])
+def test_every_id_outside_the_table_gives_a_nan_row(jit, ids_dtype):
+    # Negative ids included: numpy-style indexing would wrap -1..-7 to valid rows.
+    embed = rl.Embedding(7, 4, rngs=nnx.Rngs(0))
+    ids = jnp.array([-8, -7, -1, 0, 6, 7, 100], ids_dtype)
+    y = (nnx.jit(lambda m, i: m(i)) if jit else lambda m, i: m(i))(embed, ids)
+    nan_rows = np.isnan(np.asarray(y)).all(axis=-1)
+    np.testing.assert_array_equal(nan_rows, [True, True, True, False, False, True, True])
+    table = np.asarray(embed.embedding[...])
+    np.testing.assert_array_equal(y[3:5], table[[0, 6]])
+
+
+def test_ids_outside_the_table_get_no_gradient():
+    embed = rl.Embedding(3, 2, rngs=nnx.Rngs(0))
+    ids = jnp.array([-1, 1, 3])
+    grads = nnx.grad(lambda m: jnp.nansum(m(ids)))(embed)
+    np.testing.assert_array_equal(grads["embedding"][...], [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+
+
 @pytest.mark.parametrize(
     "param_dtype, dtype, out_dtype",
     [
