@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from rudax._validation import check_in_range
-from rudax.kernels._rounding import storage_update
+from rudax.kernels._rounding import adopt_replaced, storage_update
 
 # The per-step scalars, in the order the kernel reads them from one small fp32 array (padded
 # to a power of two, a Triton block shape). "skip" is 1.0 for a skipped step, else 0.0.
@@ -156,8 +156,15 @@ def adamw_step(
     ``-0.0``: IEEE's exact additive identity, so ``param + update`` keeps every bit of
     ``param`` (``+0.0`` would turn a ``-0.0`` parameter into ``+0.0``). Selects, not
     arithmetic, since NaN * 0 is NaN.
+
+    A ``master`` that ``param`` is not the rounding of (weights replaced outside the optimizer)
+    is first replaced by ``param`` (``adopt_replaced``), so the decay and the step act on the
+    parameter the caller holds; a skipped step still returns the master it was given.
     """
     apply = s["skip"] == 0.0  # used only when skippable
+    master_in = master
+    if master is not None:
+        master = adopt_replaced(master, param, rounding=rounding)
     g = grad * s["grad_scale"] if scaled else grad
     m = s["b1"] * exp_avg + s["one_minus_b1"] * g
     v = s["b2"] * exp_avg_sq + s["one_minus_b2"] * g * g
@@ -179,5 +186,5 @@ def adamw_step(
     if skippable:
         update = jnp.where(apply, update, jnp.asarray(-0.0, update.dtype))
         if master is not None:
-            new_master = jnp.where(apply, new_master, master)
+            new_master = jnp.where(apply, new_master, master_in)
     return update, m, v, new_master

@@ -5,6 +5,11 @@ fp32 masters for parameters stored in bf16 or fp16: the updates they return make
 ``optax.apply_updates(param, update)`` store exactly ``master.astype(param.dtype)``, bit for
 bit. ``rudax/optim/_master.py`` explains the scheme and why it is exact.
 
+Because of that invariant a stored parameter that differs from its master rounded to storage,
+in any bit, was written by someone else: weights loaded after ``tx.init``, say.
+``adopt_replaced`` makes such an element's master the parameter again, before the step reads
+it, so an optimizer never writes a stale master back over loaded weights.
+
 Every rounding in XLA code goes through ``round_to``, built from ``lax.reduce_precision``,
 instead of a float32 -> bf16 -> float32 cast pair: XLA's GPU backend may delete such a pair
 (openxla/xla#41605, "excess precision"), which would let the value the caller adds differ from
@@ -49,6 +54,33 @@ def round_by_cast(x: jax.Array, dtype: Any) -> jax.Array:
 
 def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def adopt_replaced(
+    master: jax.Array,
+    param: jax.Array,
+    *,
+    rounding: Callable[[jax.Array, Any], jax.Array] = round_to,
+) -> jax.Array:
+    """The master, or ``float32(param)`` wherever ``param`` is not the master rounded, bitwise.
+
+    ``storage_update``'s updates keep ``param == round(master)`` bit for bit, so a difference
+    means the parameter was replaced outside the optimizer; its value is then the truth. The
+    comparison is of bits, not values, so a replaced ``-0.0`` over a ``+0.0`` master is
+    adopted too. An element replaced by exactly the value its
+    master rounds to keeps the master: the two differ by less than one storage ulp.
+
+    Per element one rounding, one integer compare and one select, on the master and the
+    parameter that the step reads anyway: no memory traffic of its own.
+
+    Args:
+      master: the fp32 master of ``param``.
+      param: the stored parameter, bf16, fp16 or fp32.
+      rounding: ``round_to`` in XLA code, ``round_by_cast`` inside a Pallas kernel.
+    """
+    p = param.astype(jnp.float32)
+    same = _bits(rounding(master, param.dtype)) == _bits(p)
+    return jnp.where(same, master, p)
 
 
 def storage_update(

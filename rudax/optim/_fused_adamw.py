@@ -101,6 +101,14 @@ def fused_adamw(
     update is ``fp32_master``-free AdamW's. torch's ``AdamW(fused=True)`` fuses the step but
     leaves clipping (a separate ``clip_grad_norm_``) and skipping (``GradScaler``) outside.
 
+    As in ``fp32_master``, a master whose parameter is not its rounding, bitwise, was
+    replaced outside the optimizer (weights loaded after ``init``) and is set to the parameter
+    before the step (``w = float32(p)`` there), so the decay and the step act on the loaded
+    weights. That is one rounding, one compare and one select per element inside the update
+    pass, on the parameter and master it reads anyway: no extra memory traffic (on CPU the
+    same compiled fusions and scratch size, step time within noise). A skipped update leaves
+    the masters as they were; the next applied one adopts.
+
     The gradients are read twice: once for the global norm and the finite check together
     (``rudax.kernels.global_norm_and_finite``), once by the per-array update kernel
     (``rudax.kernels.adamw_update``) with the moments and masters. The skip is a select

@@ -26,6 +26,14 @@ XLA on CPU flushes float32 subnormals (bf16 values below 2**-126) to zero; the i
 in that range in our tests too, but arithmetic there is not IEEE, so it is not guaranteed.
 ``round_to`` and the per-leaf ``storage_update`` live in ``rudax/kernels/_rounding.py``, shared
 with the fused AdamW kernel (kernels cannot import rudax.optim).
+
+Parameters replaced outside the optimizer. Since the stored parameters equal the rounded
+masters bit for bit after every update, an element where they differ was written by someone
+else: pretrained weights loaded after ``tx.init``, as every fine-tuning script does. Each
+update therefore first adopts such elements (``adopt_replaced``: ``master = float32(param)``
+there) and only then hands the masters to the inner optimizer, so its weight decay and step
+act on the loaded values instead of writing the stale init back. Normal training never
+triggers it, and its results are bit for bit what they were without it.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_positive
-from rudax.kernels._rounding import storage_update
+from rudax.kernels._rounding import adopt_replaced, storage_update
 from rudax.optim._clipping import clip_leaf_by_norm
 from rudax.optim._validation import check_storage_dtypes, check_transformation
 
@@ -59,6 +67,7 @@ def fp32_master(
 
     With ``p`` the stored parameter and ``w`` its fp32 master (``w = float32(p)`` at init)::
 
+        w = float32(p)  where bits(round_to_dtype(w)) != bits(p)   (p replaced since init)
         g = float32(grad) / gradient_scale                   (if gradient_scale is given)
         g = g * min(clip_per_parameter / (norm(g) + 1e-6), 1)   (per leaf, if given)
         d, inner_state = inner.update(g, inner_state, w)     (all in fp32)
@@ -70,6 +79,16 @@ def fp32_master(
     change by more than 2x; see ``rudax/optim/_master.py``), that element's master is rounded
     to the stored value. torch has no such wrapper (its AMP keeps fp32 parameters and casts
     per op); this is the master-weights scheme of Micikevicius et al.
+
+    The first line makes the masters follow parameters replaced outside the optimizer (weights
+    loaded after ``init``): the loaded values are what ``inner`` sees and what the update
+    starts from. Its cost is one rounding, one compare and one select per element, fused by
+    XLA with the reads of ``p`` and ``w`` that the update makes anyway: no extra pass over
+    memory and no extra buffer (measured on CPU with 4M bf16 parameters and ``adamw``: the
+    same compiled fusions and scratch size, step time within noise, median ratio 1.002).
+    An update changed after this wrapper (say ``chain(fp32_master(...), optax.scale(0.5))``)
+    breaks ``p == round(w)``; the masters then follow the stored parameters every step and
+    keep no precision of their own.
 
     Args:
       inner: the optimizer to run in fp32, e.g. ``rudax.optim.adamw(1e-3)``. It sees fp32
@@ -129,14 +148,19 @@ def fp32_master(
             grads = jax.tree.map(lambda g: g / scale, grads)
         if clip_per_parameter is not None:
             grads = jax.tree.map(lambda g: clip_leaf_by_norm(g, clip_per_parameter), grads)
-        inner_updates, inner_state = inner.update(
-            grads, state.inner_state, state.master, **extra_args
-        )
         param_leaves, treedef = jax.tree.flatten(params)
+        # Before the inner optimizer reads them: weights loaded after init are the masters now.
+        masters = [
+            adopt_replaced(w, jnp.asarray(p))
+            for w, p in zip(treedef.flatten_up_to(state.master), param_leaves, strict=True)
+        ]
+        inner_updates, inner_state = inner.update(
+            grads, state.inner_state, treedef.unflatten(masters), **extra_args
+        )
         pairs = [
             storage_update(w, jnp.asarray(p), d)
             for w, p, d in zip(
-                treedef.flatten_up_to(state.master),
+                masters,
                 param_leaves,
                 treedef.flatten_up_to(inner_updates),
                 strict=True,

@@ -223,3 +223,65 @@ def skip_by_cond(inner: optax.GradientTransformation) -> optax.GradientTransform
         return jax.lax.cond(finite, apply, skip, updates, state)
 
     return optax.GradientTransformation(inner.init, update)
+
+
+REPLACED_SHAPES = {"dense": {"kernel": (3, 5), "bias": (7,)}, "scale": ()}
+
+
+def _bit_view(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def assert_follows_replaced_params(
+    make_tx: Callable[[float], optax.GradientTransformation], dtype, *, num_steps: int = 5
+) -> None:
+    """Parameters replaced after ``tx.init`` (loaded weights) are what the optimizer updates.
+
+    ``make_tx(learning_rate)`` builds the optimizer. With the state built on zeros and the
+    parameters then replaced: one update at learning rate 0 keeps the replaced values (7.0),
+    and ``num_steps`` jitted updates at a small learning rate stay near the replaced values
+    and equal, bit for bit, the same updates of an optimizer built on them.
+    """
+    zeros = jax.tree.map(lambda s: jnp.zeros(s, dtype), REPLACED_SHAPES, is_leaf=_is_shape)
+    sevens = jax.tree.map(lambda z: jnp.full_like(z, 7.0), zeros)
+    tx = make_tx(0.0)
+    updates, state = tx.update(jax.tree.map(jnp.ones_like, zeros), tx.init(zeros), sevens)
+    for path, p in jax.tree_util.tree_flatten_with_path(optax.apply_updates(sevens, updates))[0]:
+        assert p.dtype == dtype, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(
+            np.asarray(p, np.float32), 7.0, err_msg=f"{jax.tree_util.keystr(path)} reverted"
+        )
+
+    replaced, grads = make_problem(num_steps, seed=5, shapes=REPLACED_SHAPES)
+    cast = lambda tree: jax.tree.map(lambda x: jnp.asarray(x + 3.0).astype(dtype), tree)
+    replaced, grads = cast(replaced), [cast(g) for g in grads]
+    tx = make_tx(1e-3)
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    runs = []
+    for state in (tx.init(zeros), tx.init(replaced)):  # built before, and after, the load
+        params = replaced
+        for g in grads:
+            params, state = step(params, state, g)
+        runs.append(params)
+    for (path, p), fresh, p0 in zip(
+        jax.tree_util.tree_flatten_with_path(runs[0])[0],
+        jax.tree.leaves(runs[1]),
+        jax.tree.leaves(replaced),
+        strict=True,
+    ):
+        where = jax.tree_util.keystr(path)
+        # Adam's steps are about the learning rate each: within 5e-3 plus rounding of 3 +- 3.
+        np.testing.assert_allclose(
+            np.asarray(p, np.float32), np.asarray(p0, np.float32), atol=0.1, err_msg=where
+        )
+        np.testing.assert_array_equal(_bit_view(p), _bit_view(fresh), err_msg=where)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple)

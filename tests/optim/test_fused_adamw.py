@@ -10,7 +10,13 @@ import pytest
 import rudax.optim as ro
 from tests.kernels._lowering import assert_lowers_for_gpu
 from tests.optim._bad_input import rejects
-from tests.optim._harness import as_tree_kind, conditionals, halving, skip_by_cond
+from tests.optim._harness import (
+    as_tree_kind,
+    assert_follows_replaced_params,
+    conditionals,
+    halving,
+    skip_by_cond,
+)
 
 # Pallas runs compiled on a GPU (benchmarks/gpu_check.sh), interpreted elsewhere.
 INTERPRET = jax.default_backend() != "gpu"
@@ -299,6 +305,17 @@ def test_bad_update_input(params, grads, error, match):
             tx.update(params, state)
         else:
             tx.update(grads, state, params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=jnp.dtype)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_params_replaced_after_init_are_adopted(impl, dtype):
+    assert_follows_replaced_params(
+        lambda lr: ro.fused_adamw(
+            lr, weight_decay=0.1, max_grad_norm=1.0, impl=impl, interpret=INTERPRET
+        ),
+        jnp.dtype(dtype),
+    )
 
 
 def test_bf16_storage_example_in_numbers():

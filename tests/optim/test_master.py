@@ -9,7 +9,11 @@ import pytest
 
 import rudax.optim as ro
 from tests.optim._bad_input import rejects
-from tests.optim._harness import as_tree_kind, assert_matches_reference
+from tests.optim._harness import (
+    as_tree_kind,
+    assert_follows_replaced_params,
+    assert_matches_reference,
+)
 
 RUNS = [
     pytest.param(True, "dict", id="jit-dict"),
@@ -202,6 +206,15 @@ def test_update_too_wide_for_bf16_rounds_the_master():
     assert params["w"].tolist() == [1.0, 1.0]
     # The first element's master becomes the stored value; the second keeps its fp32 step.
     assert state.master["w"].tolist() == [1.0, 1.0 - 2.0**-10]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=jnp.dtype)
+def test_params_replaced_after_init_are_adopted(dtype):
+    # Loading weights after building the optimizer (every fine-tuning script): the masters
+    # must follow them, not write the init back.
+    assert_follows_replaced_params(
+        lambda lr: ro.fp32_master(ro.adamw(lr, weight_decay=0.1)), jnp.dtype(dtype)
+    )
 
 
 def test_small_updates_accumulate_in_the_master():
