@@ -6,7 +6,9 @@ orbax ``StandardSave``, readable with plain ``orbax.checkpoint``; orbax refuses 
 arrays, whose structure the template gives back anyway) and a JSON item ``meta``
 (``_meta.py``): the rudax version, the step, the parts saved, each part's layout (path, shape,
 dtype of every leaf), the caller state's Python leaves, the record's config and recorded
-dtypes, a checksum of every array and a digest of the whole item. The checksums are computed
+dtypes, a checksum of every array and a digest of the whole item (both detect accidents, not
+tampering: see ``_meta.py``). Typed PRNG keys are stored as their key data and come back as
+keys of their impl (``_keys.py``). The checksums are computed
 from the host copies of the arrays inside orbax's commit (``_meta_handler.py``): an async save
 returns once the arrays are copied to the host, and the step commits once they are hashed and
 written.
@@ -25,6 +27,13 @@ temporary directory is never listed as a step. Retention deletes the oldest step
 deletes a step in place, file by file, so a crash in the middle would leave a listed step
 that cannot be read; here retention first renames it into ``<directory>/rudax-deleting/``
 (orbax ``todelete_subdir``), atomically, and that folder is emptied once no save is in flight.
+
+Nothing is lost silently. orbax's ``save`` returns False, writing nothing, for a step at or
+below its latest one; here that is a ValueError (``overwrite=True`` rewinds on purpose), and
+orbax's answer is checked. Only valid step directories are steps (``_paths.py``): a symlink or
+a directory without rudax's meta item named like a step is ignored with a warning, so it can
+never be "the latest" that makes later saves no-ops. A writer holds the directory's lock
+(``_lock.py``) from open to close, and on opening deletes what failed saves left behind.
 """
 
 from __future__ import annotations
@@ -38,15 +47,22 @@ import orbax.checkpoint as ocp
 from rudax._validation import check_bool, check_positive_int
 from rudax.checkpoint._config import check_config, config_difference
 from rudax.checkpoint._integrity import CheckpointCorruptedError, verify_checksums
+from rudax.checkpoint._keys import data_template, key_data, rewrap
+from rudax.checkpoint._lock import DirectoryLock, hold
 from rudax.checkpoint._meta import Meta, parse_meta
 from rudax.checkpoint._meta_handler import MetaHandler, MetaRestore, MetaSave, exchange_key
 from rudax.checkpoint._paths import (
+    META,
     TRASH,
+    StepFormat,
     check_step,
     committed,
     empty_trash,
     normalize_root,
+    remove_leftovers,
     step_directory,
+    step_problem,
+    warn_invalid_steps,
 )
 from rudax.checkpoint._record import (
     PARTS,
@@ -68,8 +84,6 @@ from rudax.checkpoint._template import (
     check_recorded_dtypes,
     retyped,
 )
-
-META = "meta"
 
 
 def _template(tree: Any) -> Any:
@@ -95,6 +109,14 @@ class Checkpointer:
     ``restore_with_dtypes`` reads a ``capture_with_dtypes`` record into a template of other
     floating dtypes. A damaged, altered or unsafe step raises ``CheckpointCorruptedError``.
 
+    One writer per directory: a Checkpointer holds ``<directory>/rudax.lock`` (an OS file
+    lock) until ``close()``; opening a second one on the directory, in any process, raises
+    ``CheckpointLockedError`` naming the holder's pid, host and start time. Opening deletes
+    the temporary directories that failed saves left (``<step>.orbax-checkpoint-tmp``: a full
+    disk stays full of them otherwise). ``read_only=True`` takes no lock and changes nothing
+    on disk: it restores and lists, beside a writer if need be (a step that the writer's
+    retention deletes meanwhile fails to read; read one it keeps).
+
     Args:
       directory: the root directory (created if missing); steps are its subdirectories
         named ``str(step)``. Kept as ``self.directory``, absolute and with symlinks resolved.
@@ -103,6 +125,11 @@ class Checkpointer:
         files are written in orbax's background thread. Call ``wait()`` (or ``close()``)
         before relying on the step on disk; an error in the background is raised there, or
         by the next ``save``.
+      read_only: True opens an existing directory to restore only: no lock, no cleanup,
+        ``save`` refused.
+
+    Raises:
+      CheckpointLockedError: another Checkpointer (not ``read_only``) has the directory open.
 
     Example:
       >>> import tempfile
@@ -122,30 +149,70 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = False
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: int = 3,
+        async_save: bool = False,
+        read_only: bool = False,
     ) -> None:
         self.directory = normalize_root(directory)
         check_positive_int("keep", keep)
         check_bool("async_save", async_save)
+        check_bool("read_only", read_only)
         self._async_save = async_save
-        empty_trash(self.directory)  # what a crash interrupted retention left behind
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            enable_async_checkpointing=async_save,
-            create=True,
-            todelete_subdir=TRASH,
-        )
-        # The parts' handlers (StandardCheckpointHandler) orbax finds from their arguments.
-        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        meta_handler = MetaHandler()
-        registry.add(META, MetaSave, meta_handler)
-        registry.add(META, MetaRestore, meta_handler)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, handler_registry=registry
-        )
+        self._read_only = read_only
+        self._lock: DirectoryLock | None = None
+        if read_only:
+            if not os.path.isdir(self.directory):
+                raise FileNotFoundError(
+                    f"Checkpointer(read_only=True): no directory {self.directory} to read"
+                )
+        else:
+            self._lock = hold(self.directory, self._clean)
+        try:
+            if jax.process_index() == 0:
+                warn_invalid_steps(self.directory)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None if read_only else keep,
+                enable_async_checkpointing=async_save,
+                create=not read_only,
+                todelete_subdir=None if read_only else TRASH,
+                read_only=read_only,
+                step_name_format=StepFormat(),  # only valid steps: see _paths.py
+            )
+            # The parts' handlers (StandardCheckpointHandler) orbax finds from their arguments.
+            registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+            meta_handler = MetaHandler()
+            registry.add(META, MetaSave, meta_handler)
+            registry.add(META, MetaRestore, meta_handler)
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, handler_registry=registry
+            )
+        except BaseException:
+            self._release()
+            raise
 
-    def save(self, step: int, record: TrainingRecord) -> None:
+    def _clean(self) -> None:
+        # Run while holding the lock, before orbax lists anything: no save is in flight.
+        remove_leftovers(self.directory)  # what failed saves left: a full disk stays full
+        empty_trash(self.directory)  # what a crash interrupted retention left behind
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def save(self, step: int, record: TrainingRecord, *, overwrite: bool = False) -> None:
         """Writes record as checkpoint ``step`` (an int >= 0, larger than any saved step).
+
+        A step at or below the latest saved one is a ValueError naming both (orbax would
+        write nothing and say nothing): a run restarted in an old directory must not keep
+        the old weights unnoticed. ``overwrite=True`` rewinds on purpose: the saved steps from
+        ``step`` on are deleted first (each moved out atomically), then ``step`` is written,
+        so it is the latest; e.g. a run resumed from an earlier step because the latest is
+        damaged. orbax's ``force=True`` does not overwrite, and a step left beside newer ones
+        would never be the latest, so rewinding is the only overwrite that can mean anything.
 
         Every array is written in its own dtype, never cast: saving is at full precision.
         Before anything is written the record is checked (its leaves storable, its config JSON
@@ -161,8 +228,21 @@ class Checkpointer:
         Args:
           step: the step number, an int >= 0 (not a bool); its directory is ``str(step)``.
           record: the ``TrainingRecord`` to write.
+          overwrite: True deletes the saved steps ``>= step`` before writing; False (the
+            default) refuses a step that is not after the latest.
+
+        Raises:
+          ValueError: ``step`` is not after the latest saved step (and not ``overwrite``),
+            its name is taken by an entry that is not a step, or this Checkpointer is
+            ``read_only``.
         """
+        if self._read_only:
+            raise ValueError(
+                f"save: this Checkpointer of {self.directory} was opened with read_only=True "
+                "and cannot save; open one without it (it takes the directory's lock)"
+            )
         step = check_step(step)
+        check_bool("overwrite", overwrite)
         if not isinstance(record, TrainingRecord):
             raise TypeError(f"record must be a TrainingRecord, got {type(record).__name__}")
         config = check_config(record.config, name="record.config")
@@ -182,18 +262,49 @@ class Checkpointer:
             "storage_dtypes": None if record.dtypes is None else dict(record.dtypes),
             "sharded": {p: storage_layout(getattr(record, p)) for p in present},
         }
-        meta = MetaSave(fields, {p: parts[p] for p in present}, exchange_key(step))
+        parts = {p: key_data(parts[p]) for p in present}  # typed keys as their data
+        meta = MetaSave(fields, parts, exchange_key(step))
         # orbax refuses an item without arrays; its structure comes back from the template.
         items = {p: ocp.args.StandardSave(parts[p]) for p in present if jax.tree.leaves(parts[p])}
         self._wait()  # as orbax's save would; then nothing moves
         empty_trash(self.directory)
+        self._check_new_step(step, overwrite)
         try:
-            self._manager.save(step, args=ocp.args.Composite(**items, meta=meta))
+            saved = self._manager.save(step, args=ocp.args.Composite(**items, meta=meta))
         except BaseException:
             self._manager.reload()  # see _wait
             raise
+        if not saved:  # the checks above leave orbax no reason to skip: never a silent no-op
+            raise RuntimeError(
+                f"save: orbax declined to save step {step} in {self.directory} and wrote "
+                f"nothing (orbax's latest step: {self._manager.latest_step()})"
+            )
         if not self._async_save:
             empty_trash(self.directory)
+
+    def _check_new_step(self, step: int, overwrite: bool) -> None:
+        """ValueError unless step can be saved as the latest; with overwrite, makes it so."""
+        problem = step_problem(self.directory, step)
+        if problem not in (None, "missing"):
+            where = os.path.join(self.directory, str(step))
+            raise ValueError(
+                f"save: {where} exists but is not a checkpoint step ({problem}); move it away, "
+                "or save another step"
+            )
+        latest = self.latest_step()
+        if latest is None or step > latest:
+            return
+        newer = [s for s in self.all_steps() if s >= step]
+        if not overwrite:
+            raise ValueError(
+                f"save: step={step} is not after the latest saved step in {self.directory}: "
+                f"the latest saved step is {latest}, and orbax would write nothing. Save a "
+                f"later step, use another directory, or pass overwrite=True to delete steps "
+                f"{newer} and save this one as the latest"
+            )
+        for s in reversed(newer):  # newest first: a crash between leaves a consistent prefix
+            self._manager.delete(s)
+        empty_trash(self.directory)
 
     def restore(
         self, like: TrainingRecord, *, step: int | None = None, strict: bool = True
@@ -298,6 +409,7 @@ class Checkpointer:
         targets = {p: getattr(like, p) for p in PARTS} | {"state": state_arrays}
         if with_dtypes:
             targets = {p: retyped(p, targets[p], meta.storage_dtypes) for p in PARTS}
+        keys, targets = targets, {p: data_template(targets[p]) for p in PARTS}  # key data
         stored = [p for p in present if jax.tree.leaves(targets[p])]
         items = {
             p: restore_args(
@@ -322,6 +434,7 @@ class Checkpointer:
         }
         for p in stored:  # after placing: what is checked is what the caller gets
             verify_checksums(where, p, meta.checksums[p], out[p])
+            out[p] = rewrap(out[p], keys[p])
         if like.state is not None:
             out["state"] = merge_state(out["state"], like.state, meta.python_state)
         if with_dtypes:
@@ -338,6 +451,10 @@ class Checkpointer:
             return latest
         step = check_step(step)
         if step not in self.all_steps():
+            problem = step_problem(self.directory, step)
+            if problem not in (None, "missing"):
+                where = os.path.join(self.directory, str(step))
+                raise CheckpointCorruptedError(f"{where}: {problem}")
             raise FileNotFoundError(
                 f"no checkpoint for {step=} in {self.directory}; saved: {self.all_steps()}"
             )
@@ -373,15 +490,32 @@ class Checkpointer:
         before it as they were: retention runs only after a commit.
         """
         self._wait()
-        empty_trash(self.directory)
+        if not self._read_only:
+            empty_trash(self.directory)
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources; raises a save's error."""
+        """Waits for pending saves, releases orbax's resources and the directory's lock.
+
+        Raises a failed save's error, the first one: an error of the cleanup after it is
+        added to it as a note, never raised in its place.
+        """
         try:
             self._wait()
+        except BaseException as e:
+            try:
+                self._shut()
+            except BaseException as later:  # the first error is the cause: it stays raised
+                e.add_note(f"rudax: closing the checkpointer then failed too: {_brief(later)}")
+            raise
+        self._shut()
+
+    def _shut(self) -> None:
+        try:
+            self._manager.close()
+            if not self._read_only:
+                empty_trash(self.directory)
         finally:
-            self._manager.close()  # the error, if any, is raised once: this call goes on
-            empty_trash(self.directory)
+            self._release()
 
     def _wait(self) -> None:
         try:

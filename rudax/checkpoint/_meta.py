@@ -12,13 +12,17 @@ Every step holds, beside one orbax item per record part, a JSON item ``meta``::
     storage_dtypes  {part + path: dtype name} of each floating leaf (capture_with_dtypes),
                     or null (capture)
     checksums       {part: {path: 8 hex digits}} of every array leaf (see ``_integrity.py``)
-    digest          SHA-256 of the canonical JSON text of all the other fields
+    digest          SHA-256 of the canonical JSON text of all the other fields: an integrity
+                    check against accidents, not a signature (see below)
 
 Reading it never runs code from the checkpoint: the file is parsed by ``json`` into dicts,
 lists, strings and numbers, dtype names are looked up in a fixed table instead of being
 handed to a parser, and every field is checked for its type and its agreement with the others
 before any is used. A field that fails raises ``CheckpointCorruptedError`` naming the step
-directory and the field; the digest then catches values changed by hand or by the disk. Fields
+directory and the field; the digest then catches values changed by accident, by a disk or by
+a hand-edit that did not update it. The digest (like the arrays' checksums, ``_integrity.py``)
+is for integrity, not authenticity: it has no key, so anyone who edits the item can recompute
+it, and a checkpoint from an untrusted source is no safer for passing it. Fields
 this version does not know are kept under the digest and otherwise left alone, so a part of
 rudax that adds one (e.g. sharded layouts) reads it itself.
 """
@@ -29,10 +33,10 @@ import hashlib
 import json
 from typing import Any, NamedTuple
 
-import rudax
 from rudax.checkpoint._config import check_config
 from rudax.checkpoint._integrity import CheckpointCorruptedError
 from rudax.checkpoint._record import DTYPE_NAMES, FLOAT_DTYPE_NAMES, PARTS, PYTHON_LEAVES
+from rudax.checkpoint._version import RUDAX_VERSION
 
 FORMAT = 1
 _FIELDS = (
@@ -81,7 +85,7 @@ def build_meta(
     """The meta item's JSON data, digest included; ``extra`` fields are written as given."""
     fields = {
         "format": FORMAT,
-        "rudax_version": rudax.__version__,
+        "rudax_version": RUDAX_VERSION,
         "step": step,
         "parts": parts,
         "layout": layout,

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from rudax.checkpoint._config import check_config
+from rudax.checkpoint._keys import KEY_IMPLS, check_key, dtype_name
 from rudax.checkpoint._sharded import is_sharded_parameter, layout_row
 from rudax.optim import GradientAccumulator
 
@@ -37,14 +38,19 @@ PYTHON_LEAVES = (bool, int, float, str)
 # Order matters: it is the order of the orbax items and of the validation messages.
 PARTS = ("model", "optimizer", "accumulator", "state")
 
-# The dtypes a record's arrays may have: those orbax stores and reads back bit for bit. Typed
-# PRNG keys (save ``jax.random.key_data``), object arrays and 4-bit types are not among them.
+# The dtypes a record's arrays may have: those orbax stores and reads back bit for bit, and
+# typed PRNG keys of JAX's built-in impls (stored as their key data: ``_keys.py``). Object
+# arrays and 4-bit types are not among them.
 FLOAT_DTYPE_NAMES = frozenset(
     "bfloat16 float16 float32 float64 "
     "float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e4m3b11fnuz".split()
 )
-DTYPE_NAMES = FLOAT_DTYPE_NAMES | frozenset(
-    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 complex64 complex128".split()
+DTYPE_NAMES = (
+    FLOAT_DTYPE_NAMES
+    | frozenset(
+        "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 complex64 complex128".split()
+    )
+    | frozenset(KEY_IMPLS)
 )
 
 
@@ -63,8 +69,10 @@ class TrainingRecord(NamedTuple):
       optimizer: the optimizer state, e.g. ``tx.init(params)``; its update count is the
         schedule's position, so a restored run continues the learning-rate schedule.
       accumulator: a ``rudax.optim.GradientAccumulator`` (a window in progress) or None.
-      state: the caller's pytree (data position, RNG key data, counters): arrays and Python
-        ``bool``/``int``/``float``/``str`` leaves, or None.
+      state: the caller's pytree (data position, RNG keys, counters): arrays and Python
+        ``bool``/``int``/``float``/``str`` leaves, or None. Typed PRNG keys
+        (``jax.random.key``, the keys of a flax ``nnx.Rngs``) may be in any part: they are
+        stored as their key data and restored as keys of the same impl, bit for bit.
       config: the run's configuration as JSON data, a dict (optimizer hyperparameters,
         schedule), or None. An optax optimizer does not expose its hyperparameters, so they
         are recorded here; restore refuses a template whose config differs. Treat it as
@@ -244,7 +252,7 @@ def floating_dtypes(record: TrainingRecord) -> dict[str, str]:
         if part == "state":
             tree, _ = split_state(tree)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            name = str(np.dtype(leaf.dtype))
+            name = dtype_name(leaf.dtype)
             if name in FLOAT_DTYPE_NAMES:
                 out[f"{part}{jax.tree_util.keystr(path)}"] = name
     return out
@@ -263,10 +271,8 @@ def check_dtype(where: str, leaf: Any) -> None:
     """TypeError naming where unless leaf's dtype is one a checkpoint stores exactly."""
     dtype = leaf.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        raise TypeError(
-            f"{where} is a typed PRNG key array (dtype={dtype}), which orbax cannot store; "
-            "store jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data"
-        )
+        check_key(where, leaf)
+        return
     if str(np.dtype(dtype)) not in DTYPE_NAMES:
         raise TypeError(
             f"{where} has dtype={dtype}, which a checkpoint cannot store exactly; "
@@ -331,7 +337,7 @@ def describe(tree: Any) -> list[list[Any]]:
         if is_sharded_parameter(leaf):  # by its logical shape: see _sharded.py
             rows.append(layout_row(path, leaf))
         elif is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            rows.append([where, list(np.shape(leaf)), str(np.dtype(leaf.dtype))])
+            rows.append([where, list(np.shape(leaf)), dtype_name(leaf.dtype)])
         else:
             rows.append([where, "python", type(leaf).__name__])
     return rows

@@ -107,15 +107,8 @@ def _unplaced(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
 
 
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _target(x: Any) -> Any:
-    if _unplaced(x) and _is_key(x):
-        # A typed key has no NumPy form: read onto the default device, committed.
-        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local)
+    # Typed PRNG keys never get here: the checkpointer restores their key data (_keys.py).
     if isinstance(x, jax.Array | jax.ShapeDtypeStruct) and not _unplaced(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     # Read on the host; ``place_unplaced`` turns it back into an uncommitted array when the
@@ -154,10 +147,7 @@ def place_unplaced(restored: Any, template: Any) -> Any:
     like = jax.tree.leaves(template)
     if len(like) != len(flat):
         raise ValueError(f"restore: {len(flat)} leaves read, the template has {len(like)}")
-    out = [
-        jax.numpy.asarray(r) if _unplaced(t) and not _is_key(t) else r
-        for r, t in zip(flat, like, strict=True)
-    ]
+    out = [jax.numpy.asarray(r) if _unplaced(t) else r for r, t in zip(flat, like, strict=True)]
     return treedef.unflatten(out)
 
 
