@@ -167,9 +167,9 @@ def test_capture_with_dtypes_records_every_floating_leaf():
     assert rc.TrainingRecord.capture(model=params, optimizer=opt_state).dtypes is None
 
 
-def test_capture_refuses_typed_prng_keys():
+def test_capture_takes_typed_prng_keys():
+    # Refused before issue 11; now stored as key data (tests/checkpoint/test_prng_keys.py).
     params, opt_state, _ = _parts()
-    with pytest.raises(TypeError, match=r"state\['rng'\] is a typed PRNG key.*key_data"):
-        rc.TrainingRecord.capture(
-            model=params, optimizer=opt_state, state={"rng": jax.random.key(0)}
-        )
+    key = jax.random.key(0)
+    record = rc.TrainingRecord.capture(model=params, optimizer=opt_state, state={"rng": key})
+    assert record.state["rng"] is key
