@@ -2,6 +2,10 @@
 
 Every optimizer here is an ``optax.GradientTransformation`` whose update rule and defaults
 follow PyTorch's ``torch.optim``; it composes with ``optax.chain`` and every optax transform.
+Every ``update`` checks, at trace time, that the gradients have the parameters' tree and
+shapes and that each state tree has them too: a mismatch (a broadcastable (1, 3) gradient for
+a (4, 3) parameter included) is a ValueError naming "gradients" or "state", the pytree path
+and both shapes, never a silent broadcast.
 """
 
 # Public names, re-exported one per line (``from rudax.optim._x import a as a``), sorted as

@@ -26,21 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from rudax._validation import check_bool, check_non_negative, float_dtype
-
-
-def _mismatch(expected: Any, got: Any) -> str:
-    """Names the leaves (by path) by which two pytrees' structures differ."""
-    want = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
-    have = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(got)[0]]
-    want_set, have_set = set(want), set(have)
-    missing = [p for p in want if p not in have_set]
-    extra = [p for p in have if p not in want_set]
-    if missing or extra:
-        return f"missing leaves {missing[:3]}, unexpected leaves {extra[:3]}"
-    return (
-        f"same leaves but different containers: expected {jax.tree.structure(expected)}, "
-        f"got {jax.tree.structure(got)}"
-    )
+from rudax.optim._validation import check_tree_like
 
 
 def _as_weight(weight: Any) -> jax.Array:
@@ -144,11 +130,7 @@ class GradientAccumulator:
           A ``GradientAccumulator`` with the gradients added, ``count + 1`` and the weight
           added to ``total_weight``.
         """
-        if jax.tree.structure(grads) != jax.tree.structure(self.sums):
-            raise ValueError(
-                "GradientAccumulator.add: grads do not match the accumulator's structure: "
-                + _mismatch(self.sums, grads)
-            )
+        check_tree_like("GradientAccumulator.add", "gradients", grads, "sums", self.sums)
         w = _as_weight(weight)
 
         def add_leaf(path: Any, s: jax.Array, g: Any) -> jax.Array:
@@ -156,11 +138,6 @@ class GradientAccumulator:
             where = jax.tree_util.keystr(path)
             if not jnp.issubdtype(g.dtype, jnp.floating):
                 raise TypeError(f"GradientAccumulator.add: grads{where} has dtype={g.dtype}")
-            if g.shape != s.shape:
-                raise ValueError(
-                    f"GradientAccumulator.add: grads{where} has shape {g.shape}, "
-                    f"the accumulator {s.shape}"
-                )
             return s + g.astype(s.dtype)
 
         sums = jax.tree_util.tree_map_with_path(add_leaf, self.sums, grads)

@@ -67,7 +67,9 @@ def scale_by_torch_adagrad(
             s = s + g * g
             return g / (jnp.sqrt(s) + eps) / decay.astype(g.dtype), s
 
-        new_updates, sums = map_in_compute_dtype(leaf, updates, state.sum)
+        new_updates, sums = map_in_compute_dtype(
+            leaf, updates, state.sum, owner="scale_by_torch_adagrad", names=("sum",)
+        )
         return new_updates, ScaleByTorchAdagradState(optax.safe_increment(state.count), sums)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -134,4 +136,5 @@ def adagrad(
         learning_rate,
         weight_decay,
         moment_dtype,
+        name="adagrad",
     )

@@ -102,8 +102,14 @@ def scale_by_torch_adam(
             denom = jnp.sqrt(v_max[0] if amsgrad else v) * inv_bc2_sqrt.astype(g.dtype) + eps
             return (m * inv_bc1.astype(g.dtype)) / denom, m, v, *v_max
 
-        buffers = (state.exp_avg, state.exp_avg_sq, *([state.max_exp_avg_sq] if amsgrad else []))
-        new_updates, exp_avg, exp_avg_sq, *v_max = map_in_compute_dtype(leaf, updates, *buffers)
+        names = ("exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else []))
+        new_updates, exp_avg, exp_avg_sq, *v_max = map_in_compute_dtype(
+            leaf,
+            updates,
+            *(getattr(state, n) for n in names),
+            owner="scale_by_torch_adam",
+            names=names,
+        )
         max_exp_avg_sq = v_max[0] if amsgrad else None
         return new_updates, ScaleByTorchAdamState(count, exp_avg, exp_avg_sq, max_exp_avg_sq)
 
@@ -169,7 +175,11 @@ def adam(
     check_learning_rate(learning_rate)
     check_non_negative("weight_decay", weight_decay)
     return torch_chain(
-        [scale_by_torch_adam(b1, b2, eps, amsgrad)], learning_rate, weight_decay, moment_dtype
+        [scale_by_torch_adam(b1, b2, eps, amsgrad)],
+        learning_rate,
+        weight_decay,
+        moment_dtype,
+        name="adam",
     )
 
 
@@ -235,5 +245,6 @@ def adamw(
         learning_rate,
         weight_decay,
         moment_dtype,
+        name="adamw",
         decoupled=True,
     )

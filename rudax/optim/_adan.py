@@ -100,11 +100,20 @@ def scale_by_adan(
             return u, m, v, n, g
 
         u, m, v, n, g = map_in_compute_dtype(
-            leaf, updates, state.m, state.v, state.n, state.prev_grad
+            leaf,
+            updates,
+            state.m,
+            state.v,
+            state.n,
+            state.prev_grad,
+            owner="scale_by_adan",
+            names=("m", "v", "n", "prev_grad"),
         )
         return u, ScaleByAdanState(count=count, m=m, v=v, n=n, prev_grad=g)
 
-    return with_moment_dtype(optax.GradientTransformation(init_fn, update_fn), moment_dtype)
+    return with_moment_dtype(
+        optax.GradientTransformation(init_fn, update_fn), moment_dtype, owner="scale_by_adan"
+    )
 
 
 class ProximalWeightDecayState(NamedTuple):
@@ -219,4 +228,5 @@ def adan(
             _proximal_weight_decay(learning_rate, as_weak(weight_decay)),
         ),
         moment_dtype,
+        owner="adan",
     )

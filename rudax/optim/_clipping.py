@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_floating_leaves, check_positive
+from rudax.optim._validation import check_gradients
 
 # torch adds this to the norm before dividing, so a zero gradient never divides by zero.
 _NORM_EPS = 1e-6
@@ -105,8 +106,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     def update_fn(
         updates: Any, state: ClipByGlobalNormState, params: Any = None
     ) -> tuple[Any, ClipByGlobalNormState]:
-        del params, state
+        del state
         check_floating_leaves("clip_by_global_norm: gradient", updates)
+        check_gradients("clip_by_global_norm", updates, params)
         squares = [_sum_of_squares(g) for g in jax.tree.leaves(updates)]
         norm = jnp.sqrt(sum(squares, start=jnp.zeros((), jnp.float32)))
         coefficient = clip_coefficient(norm, max_norm)
@@ -152,9 +154,8 @@ def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
     def update_fn(
         updates: Any, state: optax.EmptyState, params: Any = None
     ) -> tuple[Any, optax.EmptyState]:
-        del params
         check_floating_leaves("clip_per_parameter: gradient", updates)
-
+        check_gradients("clip_per_parameter", updates, params)
         return jax.tree.map(lambda g: clip_leaf_by_norm(g, max_norm), updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)

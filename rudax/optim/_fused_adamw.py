@@ -35,7 +35,12 @@ from rudax._validation import (
 from rudax.kernels._adamw_leaves import adamw_update_leaves
 from rudax.optim._clipping import clip_coefficient
 from rudax.optim._precision import as_weak
-from rudax.optim._validation import check_learning_rate, check_storage_dtypes
+from rudax.optim._validation import (
+    check_gradients,
+    check_learning_rate,
+    check_storage_dtypes,
+    check_tree_like,
+)
 
 
 class FusedAdamWState(NamedTuple):
@@ -48,17 +53,6 @@ class FusedAdamWState(NamedTuple):
     global_norm: jax.Array  # shape=(), float32: pre-clip global L2 norm of the last gradients
     skipped: jax.Array  # shape=(), bool: True if the last update was skipped
     num_skipped: jax.Array  # shape=(), int32: updates skipped since init
-
-
-def _check_shapes(grads: Any, params: Any) -> None:
-    paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
-    treedef = jax.tree.structure(params)
-    for (path, p), g in zip(paths_and_params, treedef.flatten_up_to(grads), strict=True):
-        if jnp.shape(g) != jnp.shape(p):
-            raise ValueError(
-                f"fused_adamw: gradient {jax.tree_util.keystr(path)} has shape "
-                f"{jnp.shape(g)}, its parameter {jnp.shape(p)}"
-            )
 
 
 def fused_adamw(
@@ -137,8 +131,9 @@ def fused_adamw(
     Returns:
       An ``optax.GradientTransformation`` whose state is a ``FusedAdamWState``. ``update``
       requires ``params``; updates come in each parameter's dtype. Every parameter leaf must
-      be bf16, fp16 or fp32 (a TypeError naming its path otherwise) and every gradient of its
-      parameter's shape (a ValueError naming its path).
+      be bf16, fp16 or fp32 (a TypeError naming its path otherwise); the gradients and the
+      state's moments and masters must have the parameters' tree and shapes (a ValueError
+      naming the path and both shapes otherwise).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -207,7 +202,16 @@ def fused_adamw(
             raise ValueError("fused_adamw: update needs params (the stored parameters)")
         check_storage_dtypes("fused_adamw", params)
         check_floating_leaves("fused_adamw: gradient", updates)
-        _check_shapes(updates, params)
+        check_gradients("fused_adamw", updates, params)
+        for field in ("exp_avg", "exp_avg_sq", "master"):
+            check_tree_like(
+                "fused_adamw",
+                f"state.{field}",
+                getattr(state, field),
+                "params",
+                params,
+                none_is_leaf=field == "master",
+            )
         param_leaves, treedef = jax.tree.flatten(params)
         leaves = lambda tree: treedef.flatten_up_to(tree)
         grads = [jnp.asarray(g) for g in leaves(updates)]

@@ -32,7 +32,7 @@ from rudax._validation import (
 )
 from rudax.optim._linesearch import check_wolfe_constants, scale_by_strong_wolfe
 from rudax.optim._precision import compute_dtype, scale_by_learning_rate
-from rudax.optim._validation import check_learning_rate
+from rudax.optim._validation import check_gradients, check_learning_rate, check_tree_like
 
 # torch's threshold for keeping an (s, y) pair: below it the pair would make the inverse-Hessian
 # approximation indefinite or blow up 1 / (y.s). Absolute, as in torch.
@@ -120,6 +120,19 @@ def _two_loop(
     return jax.lax.fori_loop(0, n, oldest_to_newest, r)
 
 
+def _check_trees(updates: Any, state: ScaleByLBFGSState, params: Any) -> None:
+    """The gradients and every tree of the memory against the parameters' tree and shapes."""
+    check_gradients("lbfgs", updates, params)
+    for name in ("prev_params", "prev_grads"):
+        check_tree_like("lbfgs", f"state.{name}", getattr(state, name), "params", params)
+    for name in ("s_history", "y_history"):
+        # Each of the history_size rows is one step shaped like the parameters.
+        rows = jax.tree.map(
+            lambda h: jax.ShapeDtypeStruct(h.shape[1:], h.dtype), getattr(state, name)
+        )
+        check_tree_like("lbfgs", f"state.{name}[i]", rows, "params", params)
+
+
 def scale_by_lbfgs(
     history_size: int = 100,
     *,
@@ -202,6 +215,7 @@ def scale_by_lbfgs(
         if params is None:
             raise ValueError("lbfgs: update needs params (the memory stores parameter steps)")
         check_floating_leaves("lbfgs: gradient", updates)
+        _check_trees(updates, state, params)
         # The moment-dtype rule of rudax/optim/_precision.py: the memory keeps its dtype, each
         # leaf is computed in the wider of it and the gradient's, updates take the parameters'.
         dtypes = jax.tree.map(

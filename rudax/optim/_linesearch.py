@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_in_range, check_positive_int
+from rudax.optim._validation import check_gradients, check_tree_like
 
 # Near a minimum, f(x + t u) - f(x) drops below the objective's rounding error (about 1e-7 |f|
 # in fp32) before the gradient does, and an exact sufficient-decrease test then rejects every
@@ -134,6 +135,8 @@ def scale_by_strong_wolfe(
                 "tx.update(grads, state, params, value=loss, grad=grads, value_fn=loss_fn, "
                 "**loss_fn_kwargs), or build lbfgs with line_search=None"
             )
+        check_gradients("scale_by_strong_wolfe", updates, params)
+        check_tree_like("scale_by_strong_wolfe", "grad", grad, "params", params)
         slope = _vdot(updates, grad)
 
         def search(state):

@@ -17,7 +17,7 @@ import optax
 
 from rudax._validation import check_in_range, check_positive, check_positive_int
 from rudax.optim._nonfinite import all_finite, update_unless_skipped
-from rudax.optim._validation import check_transformation
+from rudax.optim._validation import check_gradients, check_transformation
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -137,6 +137,7 @@ def dynamic_loss_scale(
         def apply_fn(grads: Any, inner_state: Any) -> tuple[Any, Any]:
             return inner.update(jax.tree.map(unscale, grads), inner_state, params, **extra_args)
 
+        check_gradients("dynamic_loss_scale", updates, params)
         # The check and the step each unscale on the fly rather than sharing an unscaled copy:
         # lax.cond would materialize that copy, a float32 buffer as large as all gradients.
         finite = all_finite(jax.tree.map(unscale, updates))

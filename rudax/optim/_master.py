@@ -44,10 +44,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax._validation import check_positive
+from rudax._validation import check_floating_leaves, check_positive
 from rudax.kernels._rounding import adopt_replaced, storage_update
 from rudax.optim._clipping import clip_leaf_by_norm
-from rudax.optim._validation import check_storage_dtypes, check_transformation
+from rudax.optim._validation import (
+    check_gradients,
+    check_storage_dtypes,
+    check_transformation,
+    check_tree_like,
+)
 
 
 class Fp32MasterState(NamedTuple):
@@ -104,7 +109,10 @@ def fp32_master(
       An ``optax.GradientTransformationExtraArgs`` whose state is an ``Fp32MasterState``;
       ``update`` requires ``params`` and returns updates in each parameter's dtype. Extra
       keyword arguments are passed on to ``inner``. Every parameter leaf must be bf16, fp16
-      or fp32; any other dtype (integer buffers, keys) is a TypeError naming its path.
+      or fp32; any other dtype (integer buffers, keys) is a TypeError naming its path, as is a
+      gradient that is not floating (an int, or a complex one whose imaginary part a cast
+      would drop). Gradients or masters unlike the parameters (another tree, another shape)
+      are a ValueError naming the path and both shapes.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -142,6 +150,11 @@ def fp32_master(
         if params is None:
             raise ValueError("fp32_master: update needs params (the stored parameters)")
         check_storage_dtypes("fp32_master", params)
+        # Not cast blindly to fp32: an int gradient is a bug upstream, a complex one would
+        # lose its imaginary part.
+        check_floating_leaves("fp32_master: gradient", updates)
+        check_gradients("fp32_master", updates, params)
+        check_tree_like("fp32_master", "state.master", state.master, "params", params)
         grads = jax.tree.map(lambda g: jnp.asarray(g).astype(jnp.float32), updates)
         if gradient_scale is not None:
             scale = jnp.asarray(gradient_scale).astype(jnp.float32)

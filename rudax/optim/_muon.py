@@ -23,7 +23,7 @@ from rudax._validation import (
 from rudax.optim._adam import adamw
 from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
 from rudax.optim._torch_chain import torch_chain
-from rudax.optim._validation import check_learning_rate
+from rudax.optim._validation import check_gradients, check_learning_rate
 
 # Keller Jordan's quintic, as torch.optim.Muon: maximal slope at zero, so few steps suffice;
 # singular values land in a band around 1 rather than exactly on it, which does not hurt.
@@ -65,6 +65,10 @@ def _newton_schulz(
 
 def _lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None, layout: str) -> float:
     rows, cols = shape
+    if rows == 0 or cols == 0:
+        # An empty matrix's update is empty whatever the ratio. torch's sqrt(max(1, A / B))
+        # returns 1 for an empty (0, B) weight and divides by zero for an (A, 0) one.
+        return 1.0
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     # torch's sqrt(max(1, A / B)) on its (out, in) weights: larger steps for layers that fan out.
@@ -130,7 +134,9 @@ def scale_by_muon(
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a ``ScaleByMuonState``. Every leaf
-      must be 2-D: a ``ValueError`` names the first that is not.
+      must be 2-D: a ``ValueError`` names the first that is not. An empty ``(0, n)`` or
+      ``(n, 0)`` matrix gets an empty update (torch's ``"original"`` ratio divides by zero
+      for one of the two).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -178,10 +184,14 @@ def scale_by_muon(
             o = _newton_schulz(m, coefficients, ns_steps, eps, ns_dtype).astype(g.dtype)
             return _lr_ratio(g.shape, adjust_lr_fn, matrix_layout) * o, buf
 
-        u, buf = map_in_compute_dtype(leaf, updates, state.momentum)
+        u, buf = map_in_compute_dtype(
+            leaf, updates, state.momentum, owner="scale_by_muon", names=("momentum",)
+        )
         return u, ScaleByMuonState(momentum=buf)
 
-    return with_moment_dtype(optax.GradientTransformation(init_fn, update_fn), moment_dtype)
+    return with_moment_dtype(
+        optax.GradientTransformation(init_fn, update_fn), moment_dtype, owner="scale_by_muon"
+    )
 
 
 def _check_coefficients(value: Any) -> tuple[float, float, float]:
@@ -344,6 +354,7 @@ def muon(
         learning_rate,
         weight_decay,
         moment_dtype,
+        name="muon",
         decoupled=True,
     )
     adamw_chain = adamw(
@@ -354,4 +365,13 @@ def muon(
         weight_decay if adamw_weight_decay is None else adamw_weight_decay,
         moment_dtype=moment_dtype,
     )
-    return optax.partition({"muon": muon_chain, "adamw": adamw_chain}, _muon_labels(muon_mask))
+    partitioned = optax.partition(
+        {"muon": muon_chain, "adamw": adamw_chain}, _muon_labels(muon_mask)
+    )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        # Before the partition: its masks are built from the gradients' tree.
+        check_gradients("muon", updates, params)
+        return partitioned.update(updates, state, params, **extra_args)
+
+    return partitioned._replace(update=update_fn)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rudax.optim._validation import check_transformation
+from rudax.optim._validation import check_gradients, check_transformation
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -115,6 +115,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         def apply_fn(grads: Any, inner_state: Any) -> tuple[Any, Any]:
             return inner.update(grads, inner_state, params, **extra_args)
 
+        check_gradients("skip_nonfinite", updates, params)
         finite = all_finite(updates)
         new_updates, inner_state = update_unless_skipped(
             finite, apply_fn, updates, state.inner_state

@@ -22,7 +22,7 @@ promotion.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from rudax._validation import check_floating_leaves, float_dtype
+from rudax.optim._validation import check_gradients, check_tree_like
 
 
 def as_weak(value: Any) -> Any:
@@ -66,14 +67,26 @@ def compute_dtype(*dtypes: Any) -> jnp.dtype:
         return jnp.dtype(jnp.result_type(*dtypes))
 
 
-def map_in_compute_dtype(fn: Callable[..., tuple], updates: Any, *buffers: Any) -> tuple:
+def map_in_compute_dtype(
+    fn: Callable[..., tuple],
+    updates: Any,
+    *buffers: Any,
+    owner: str,
+    names: Sequence[str],
+) -> tuple:
     """Runs a transform's per-leaf arithmetic under the rule; returns (updates, *buffers).
 
     For each leaf, ``fn(g, *b)`` gets the gradient and the buffers (trees like ``updates``)
     cast to the widest of their dtypes and returns ``(u, *new_b)``; each new buffer is cast
     back to its stored dtype, ``u`` stays in the compute dtype (``with_moment_dtype`` casts it
     to the parameter's dtype once, after the learning rate).
+
+    Each buffer is first checked to be like ``updates`` (``check_tree_like``): a ValueError
+    names ``owner``, the buffer as ``state.<name>`` (``names`` in the buffers' order), the path
+    and both shapes, where a stale or wrongly built state would otherwise broadcast.
     """
+    for name, buffer in zip(names, buffers, strict=True):
+        check_tree_like(owner, f"state.{name}", buffer, "gradients", updates)
     treedef = jax.tree.structure(updates)
 
     def leaf(g: Any, *stored: jax.Array) -> tuple:
@@ -88,7 +101,7 @@ def map_in_compute_dtype(fn: Callable[..., tuple], updates: Any, *buffers: Any) 
 
 
 def with_moment_dtype(
-    inner: optax.GradientTransformation, moment_dtype: Any
+    inner: optax.GradientTransformation, moment_dtype: Any, *, owner: str
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` with its buffers in ``moment_dtype`` and its arithmetic in the wider dtype.
 
@@ -102,11 +115,13 @@ def with_moment_dtype(
     Args:
       inner: the transformation to run.
       moment_dtype: a floating dtype, or None for each parameter's own dtype.
+      owner: the optimizer's name, for the errors.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with ``inner``'s state; extra keyword
       arguments go to ``inner``. A parameter or gradient leaf without a floating dtype is a
-      TypeError naming its path.
+      TypeError naming its path; gradients unlike the parameters (another tree or another
+      shape) are a ValueError naming the path and both shapes (``check_tree_like``).
     """
     float_dtype("moment_dtype", moment_dtype, none_in_message=True)
     stored = None if moment_dtype is None else jnp.dtype(moment_dtype)
@@ -124,6 +139,7 @@ def with_moment_dtype(
         check_floating_leaves("gradient", updates)
         if params is not None:
             check_floating_leaves("parameter", params)
+            check_gradients(owner, updates, params)
         out_dtypes = jax.tree.map(jnp.result_type, updates if params is None else params)
         dtypes = jax.tree.map(
             lambda g, out: compute_dtype(jnp.result_type(g), out if stored is None else stored),

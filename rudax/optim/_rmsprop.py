@@ -72,8 +72,14 @@ def scale_by_torch_rms(
             variance = jnp.maximum(v - a[0] * a[0], 0) if centered else v
             return g / (jnp.sqrt(variance) + eps), v, *a
 
-        buffers = (state.square_avg, *([state.grad_avg] if centered else []))
-        new_updates, square_avg, *grad_avg = map_in_compute_dtype(leaf, updates, *buffers)
+        names = ("square_avg", *(["grad_avg"] if centered else []))
+        new_updates, square_avg, *grad_avg = map_in_compute_dtype(
+            leaf,
+            updates,
+            *(getattr(state, n) for n in names),
+            owner="scale_by_torch_rms",
+            names=names,
+        )
         grad_avg = grad_avg[0] if centered else None
         return new_updates, ScaleByTorchRMSState(square_avg, grad_avg)
 
@@ -152,4 +158,5 @@ def rmsprop(
         learning_rate,
         weight_decay,
         moment_dtype,
+        name="rmsprop",
     )

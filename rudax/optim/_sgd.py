@@ -65,7 +65,13 @@ def scale_by_torch_momentum(
             b = jnp.where(first, g, momentum * b + (1 - dampening) * g)
             return (g + momentum * b if nesterov else b), b
 
-        new_updates, buffer = map_in_compute_dtype(leaf, updates, state.momentum_buffer)
+        new_updates, buffer = map_in_compute_dtype(
+            leaf,
+            updates,
+            state.momentum_buffer,
+            owner="scale_by_torch_momentum",
+            names=("momentum_buffer",),
+        )
         return new_updates, ScaleByTorchMomentumState(optax.safe_increment(state.count), buffer)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -146,4 +152,4 @@ def sgd(
     momentum_buffer = (
         [scale_by_torch_momentum(momentum, dampening, nesterov)] if static_nonzero(momentum) else []
     )
-    return torch_chain(momentum_buffer, learning_rate, weight_decay, moment_dtype)
+    return torch_chain(momentum_buffer, learning_rate, weight_decay, moment_dtype, name="sgd")

@@ -34,6 +34,7 @@ def torch_chain(
     weight_decay: Any,
     moment_dtype: Any,
     *,
+    name: str,
     decoupled: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Chains a direction with torch's weight decay and the learning rate.
@@ -52,6 +53,7 @@ def torch_chain(
       learning_rate: a number or a schedule of the update count.
       weight_decay: the decay coefficient.
       moment_dtype: the buffers' storage dtype, or None (see ``with_moment_dtype``).
+      name: the optimizer's name, for the errors (``with_moment_dtype``'s ``owner``).
       decoupled: place the decay after the direction instead of before it.
 
     Returns:
@@ -62,5 +64,5 @@ def torch_chain(
     )
     transforms = [*direction, *decay] if decoupled else [*decay, *direction]
     return with_moment_dtype(
-        optax.chain(*transforms, scale_by_learning_rate(learning_rate)), moment_dtype
+        optax.chain(*transforms, scale_by_learning_rate(learning_rate)), moment_dtype, owner=name
     )

@@ -324,6 +324,23 @@ def test_unsupported_leaf_dtype_names_the_path(leaf, dtype_text):
         tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
 
 
+@pytest.mark.parametrize(
+    "grad, dtype_text",
+    [
+        (jnp.ones((2,), jnp.int32), "int32"),
+        (jnp.ones((2,), jnp.complex64) * (1 + 2j), "complex64"),
+    ],
+    ids=["int", "complex"],
+)
+def test_non_floating_gradient_names_the_path(grad, dtype_text):
+    # A cast to fp32 would accept an int gradient and drop a complex one's imaginary part.
+    params = {"ok": jnp.zeros((2,), jnp.bfloat16), "w": jnp.zeros((2,), jnp.bfloat16)}
+    tx = ro.fp32_master(optax.sgd(0.1))
+    grads = {"ok": jnp.ones((2,), jnp.bfloat16), "w": grad}
+    with pytest.raises(TypeError, match=rf"gradient \['w'\] .*dtype={dtype_text}"):
+        tx.update(grads, tx.init(params), params)
+
+
 test_bad_gradient_scale = rejects(
     ro.fp32_master,
     [

@@ -284,3 +284,20 @@ def test_second_update_reuses_the_compilation_under_optax_chain():
         updates, state = step(params, state, params)
     assert step._cache_size() == 1
     assert np.all(np.isfinite(updates["w"]))
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0, 0)], ids=str)
+@pytest.mark.parametrize("matrix_layout", ["in_out", "out_in"])
+def test_empty_matrix_gets_an_empty_update(shape, matrix_layout):
+    # torch's lr ratio divides by zero for one orientation of an empty matrix; an empty
+    # matrix has nothing to orthogonalize, so its update is empty and the others are as
+    # without it.
+    full = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    tx = ro.muon(0.02, matrix_layout=matrix_layout)
+    params = {**full, "empty": jnp.ones(shape)}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert updates["empty"].shape == shape and updates["empty"].dtype == jnp.float32
+    want, _ = jax.jit(tx.update)({k: grads[k] for k in full}, tx.init(full), full)
+    for key in full:
+        np.testing.assert_array_equal(np.asarray(updates[key]), np.asarray(want[key]))
