@@ -6,7 +6,6 @@ straight MoE run (module fixture) serves the learning, report, resume and --init
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,44 +17,15 @@ import numpy as np
 import pytest
 
 from examples.lm import timing, train
-from examples.lm.prepare import prepare
 from examples.lm.report import MetricsLog, read_rows
+from tests.lm.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Small enough to compile in seconds: 1 block, width 32, 16-token windows of 8 rows.
-TINY = [
-    *("--vocab-size", "300", "--seq-len", "16", "--d-model", "32", "--n-layers", "1"),
-    *("--n-heads", "2", "--batch-size", "8", "--steps", "8", "--warmup", "1", "--lr", "1e-2"),
-    *("--log-every", "1", "--eval-every", "4", "--eval-batches", "2", "--checkpoint-every", "3"),
-]
 # The straight run: MoE (2 of 4 experts), two microbatches per update, bf16 storage, fused
 # AdamW (--init-from below trains with the default, Muon; the mesh test with AdamW).
 MOE = ["--moe", "--num-experts", "4", "--top-k", "2", "--grad-accum", "2"]
 STRAIGHT = [*MOE, "--optimizer", "fused_adamw"]
-
-NAMES = ["alpha", "beta", "gamma", "delta", "value", "total", "index", "item"]
-
-
-def _write_corpus(root: Path) -> None:
-    """40 small Python-like files: patterned enough that a tiny model learns in a few steps."""
-    rng = random.Random(0)
-    root.mkdir()
-    for i in range(40):
-        lines = []
-        for j in range(40):
-            a, b = rng.choice(NAMES), rng.choice(NAMES)
-            lines.append(f"def {a}_{j}({b}, n={j}):\n    return {b} * n + {rng.randint(0, 9)}\n")
-        (root / f"m{i:02d}.py").write_text("".join(lines))
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """The --data/--data-dir flags of a corpus prepared once for the module."""
-    root = tmp_path_factory.mktemp("lm")
-    _write_corpus(root / "corpus")
-    prepare(root / "corpus", root / "prepared", vocab_size=300, verbose=False)
-    return ["--data", str(root / "corpus"), "--data-dir", str(root / "prepared")]
 
 
 @pytest.fixture(scope="module")
