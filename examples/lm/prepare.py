@@ -28,12 +28,25 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from examples.lm.corpus import CorpusError, FolderCorpus, open_corpus
+from examples.lm.data import TokenLoader
 from examples.lm.tokenizer import SPLITS, TOKENIZER, tokenize_corpus
 from rudax._validation import check_bool, check_in_range, check_int, check_positive_int
 
 FORMAT = 1
 META = "prepared.json"
 MIN_VOCAB = 256 + 1  # the 256 byte symbols and <|endoftext|>
+
+
+class PreparationConflict(CorpusError):
+    """``out_dir`` holds a preparation of another source or other settings (``detail``)."""
+
+    def __init__(self, out_dir: Path, detail: str) -> None:
+        super().__init__(
+            f"{out_dir} holds a preparation with other settings ({detail}): pass force=True "
+            "(python -m examples.lm.prepare --force) to rebuild it, or choose another output "
+            "folder"
+        )
+        self.out_dir, self.detail = out_dir, detail
 
 
 def prepare(
@@ -82,7 +95,8 @@ def prepare(
       ``out_dir`` as a Path; ``read_prepared(out_dir)`` describes its contents.
 
     Raises:
-      CorpusError: missing path, empty corpus or split, conflicting ``out_dir``.
+      CorpusError: missing path, empty corpus or split, or an ``out_dir`` that is no
+        preparation; ``PreparationConflict`` (a CorpusError) for one of other settings.
 
     Example:
       >>> import pathlib, tempfile
@@ -119,10 +133,7 @@ def prepare(
     if state == "complete" and not force:
         return out_dir
     if state == "different" and not force:
-        raise CorpusError(
-            f"{out_dir} holds a preparation with other settings ({detail}): pass force=True "
-            "(--force) to rebuild it, or choose another output folder"
-        )
+        raise PreparationConflict(out_dir, detail)
     if state == "foreign":
         raise CorpusError(
             f"{out_dir} exists, is not empty and holds no {META}: not overwriting it; "
@@ -163,7 +174,7 @@ def read_prepared(out_dir: str | os.PathLike) -> dict:
     Keys: ``settings`` (the arguments it was built with and the source), ``vocab_size`` (the
     tokenizer's; below the requested size only for a tiny corpus), ``eot_id``, ``dtype``,
     ``tokenizer`` (file and sha256), ``splits`` (per split: ``documents``,
-    ``empty_documents``, ``tokens``, ``shards`` as ``{"file", "tokens", "bytes"}``),
+    ``empty_documents``, ``tokens``, ``shards`` as ``{"file", "tokens", "bytes", "sha256"}``),
     ``skipped`` (documents that are not text, with the reason), ``bpe_sample_bytes_used``,
     ``seconds``, ``tokenizers_version``.
     """
@@ -173,7 +184,10 @@ def read_prepared(out_dir: str | os.PathLike) -> dict:
     except FileNotFoundError:
         raise CorpusError(f"{path} is missing: run python -m examples.lm.prepare") from None
     except json.JSONDecodeError as e:
-        raise CorpusError(f"{path} is not valid JSON ({e}): prepare again with --force") from None
+        raise CorpusError(
+            f"{path} is not valid JSON ({e}): prepare it again "
+            "(python -m examples.lm.prepare --force)"
+        ) from None
     if not isinstance(meta, dict) or meta.get("settings", {}).get("format") != FORMAT:
         raise CorpusError(f"{path} is not a format-{FORMAT} preparation: prepare it again")
     return meta
@@ -185,6 +199,57 @@ def shard_paths(out_dir: str | os.PathLike, split: str) -> list[Path]:
         raise ValueError(f"split must be one of {SPLITS}, got {split=}")
     meta = read_prepared(out_dir)
     return [Path(out_dir) / s["file"] for s in meta["splits"][split]["shards"]]
+
+
+def open_split(
+    out_dir: str | os.PathLike, split: str, *, seq_len: int, batch_size: int, seed: int
+) -> TokenLoader:
+    """The ``TokenLoader`` of ``split``, each shard checked against the manifest on open.
+
+    Every shard's SHA-256 must be the one ``prepare`` recorded, and its largest id must be
+    below the tokenizer's vocabulary, so that a shard changed in place (same size, other
+    ids) is an error naming it rather than a run on other data or a NaN loss. This reads
+    each shard once; batches are not checked again.
+
+    Args:
+      out_dir: a folder ``prepare`` built.
+      split: "train" or "val".
+      seq_len, batch_size, seed: as for ``TokenLoader``.
+
+    Raises:
+      CorpusError: the manifest is missing, unreadable, or (prepared by an older version of
+        this code) records no checksums.
+      examples.lm.data.ShardError: a shard is damaged or holds an id outside the vocabulary.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from examples.lm.prepare import open_split, prepare
+      >>> src, out = pathlib.Path(tempfile.mkdtemp()), pathlib.Path(tempfile.mkdtemp())
+      >>> for i in range(8):
+      ...     _ = (src / f"m{i}.py").write_text(f"def f{i}(x):\\n    return x + {i}\\n" * 20)
+      >>> out = prepare(src, out / "lm", vocab_size=270, val_fraction=0.3, verbose=False)
+      >>> open_split(out, "train", seq_len=8, batch_size=2, seed=0).batch(0).shape
+      (2, 9)
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split=}")
+    meta = read_prepared(out_dir)
+    shards = meta["splits"][split]["shards"]
+    missing = [s["file"] for s in shards if "sha256" not in s]
+    if missing:
+        raise CorpusError(
+            f"{Path(out_dir) / META} records no checksum for {missing[0]}: it was prepared by "
+            "an older version of examples.lm; prepare it again (python -m examples.lm.prepare "
+            f"--out {out_dir} --force, or start the trainer, which rebuilds it)"
+        )
+    return TokenLoader(
+        [Path(out_dir) / s["file"] for s in shards],
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        checksums=[s["sha256"] for s in shards],
+        vocab_size=meta["vocab_size"],
+    )
 
 
 def _check_args(vocab_size, val_fraction, seed, force, text_column, bpe_sample_bytes, shard_tokens):
@@ -232,6 +297,10 @@ def _state(out_dir: Path, settings: dict, fingerprint: str) -> tuple[str, str]:
             path = out_dir / f["file"]
             if not path.is_file() or path.stat().st_size != f["bytes"]:
                 return "incomplete", f"rebuilding: {path} is missing or has the wrong size"
+        if any("sha256" not in s for split in SPLITS for s in splits[split]["shards"]):
+            # Prepared before shards had checksums: rebuilt (to the same tokens) so that
+            # open_split can verify them.
+            return "incomplete", f"rebuilding: {out_dir / META} records no shard checksums"
         if _sha256(out_dir / TOKENIZER) != meta["tokenizer"]["sha256"]:
             return "incomplete", f"rebuilding: {out_dir / TOKENIZER} was modified"
     except (CorpusError, KeyError, TypeError, AttributeError) as e:

@@ -23,7 +23,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from examples.lm.corpus import Corpus, CorpusError, Document
-from examples.lm.data import token_dtype, write_tokens
+from examples.lm.data import shard_sha256, token_dtype, write_tokens
 from rudax._validation import check_positive_int
 
 EOT = "<|endoftext|>"
@@ -248,8 +248,19 @@ def tokenize_corpus(
     for split, tokens in encode_documents(tokenizer, usable(), shard_tokens=shard_tokens):
         shards = stats[split]["shards"]
         path = folder / f"{split}_{len(shards):03d}.bin"
+        if tokens.size and int(tokens.max()) >= actual_vocab:  # no shard of ids without rows
+            raise CorpusError(
+                f"the tokenizer gave id {int(tokens.max())} for a vocabulary of {actual_vocab}"
+            )
         write_tokens(path, tokens)
-        shards.append({"file": path.name, "tokens": tokens.size, "bytes": path.stat().st_size})
+        shards.append(
+            {
+                "file": path.name,
+                "tokens": tokens.size,
+                "bytes": path.stat().st_size,
+                "sha256": shard_sha256(path),  # of the file as written: TokenLoader checks it
+            }
+        )
         stats[split]["tokens"] += tokens.size
     for split, s in stats.items():
         if not s["documents"]:

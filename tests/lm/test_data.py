@@ -21,7 +21,14 @@ from tokenizers import Tokenizer
 
 from examples.lm import prepare
 from examples.lm.corpus import CorpusError, Document, open_corpus, stdlib_root
-from examples.lm.data import TokenLoader, read_tokens, token_dtype, write_tokens
+from examples.lm.data import (
+    ShardError,
+    TokenLoader,
+    read_tokens,
+    shard_sha256,
+    token_dtype,
+    write_tokens,
+)
 from examples.lm.tokenizer import bpe_sample
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,6 +230,89 @@ def test_ids_beyond_int32_are_an_error_not_a_wrap(tmp_path):
     write_tokens(path, np.full((10,), 2**31, np.uint32))
     with pytest.raises(ValueError, match="2147483648 does not fit the int32"):
         TokenLoader([path], seq_len=4, batch_size=1, seed=0).batch(0)
+
+
+# ----------------------------------------------------------------------------- checksums
+def _first_shard(folder, split="train"):
+    meta = json.loads((folder / "prepared.json").read_text())
+    return folder / meta["splits"][split]["shards"][0]["file"], meta
+
+
+def _rewrite(path, edit):
+    """Applies edit to the shard's ids in place; the size, and so the header, are unchanged."""
+    tokens = np.fromfile(path, np.uint16, offset=24)
+    edit(tokens)
+    path.write_bytes(path.read_bytes()[:24] + tokens.tobytes())
+
+
+def _open(folder, split="train"):
+    return prepare.open_split(folder, split, seq_len=16, batch_size=8, seed=0)
+
+
+def test_prepare_records_every_shards_sha256(own_data):
+    _, folder = own_data
+    meta = json.loads((folder / "prepared.json").read_text())
+    for split in ("train", "val"):
+        for shard in meta["splits"][split]["shards"]:
+            digest = hashlib.sha256((folder / shard["file"]).read_bytes()).hexdigest()
+            assert shard["sha256"] == digest
+    assert _open(folder).batch(0).shape == (8, 17)
+
+
+def test_a_shard_changed_in_place_is_refused_on_open(own_data):
+    _, folder = own_data
+    path, _ = _first_shard(folder)
+    _rewrite(path, lambda t: t.__setitem__(100, (int(t[100]) + 1) % 300))  # still in range
+    with pytest.raises(ShardError, match=r"its SHA-256 is [0-9a-f]{64}, but [0-9a-f]{64} was"):
+        _open(folder)
+    with pytest.raises(ShardError, match=re.escape(str(path))):
+        _open(folder)
+    _open(folder, "val")  # the other split's shards are intact
+
+
+def test_ids_outside_the_vocabulary_are_refused_on_open(own_data):
+    # A shard with the right checksum but ids the tokenizer cannot have made: another
+    # tokenizer's shard, or a tool that wrote both shard and manifest.
+    _, folder = own_data
+    path, meta = _first_shard(folder)
+    _rewrite(path, lambda t: t.__setitem__(1234, 65535))
+    meta["splits"]["train"]["shards"][0]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (folder / "prepared.json").write_text(json.dumps(meta))
+    message = r"token id 65535 at position 1234 is outside the vocabulary of 300 ids"
+    with pytest.raises(ShardError, match=message):
+        _open(folder)
+    # TokenLoader checks on its own too, given the vocabulary.
+    with pytest.raises(ShardError, match=message):
+        TokenLoader([path], seq_len=4, batch_size=1, seed=0, vocab_size=300)
+    TokenLoader([path], seq_len=4, batch_size=1, seed=0, vocab_size=65536)
+
+
+def test_loader_checksums_must_match_the_paths(stream_shards):
+    paths, _ = stream_shards
+    with pytest.raises(ValueError, match=r"checksums must hold one SHA-256 per path \(4\)"):
+        TokenLoader(paths, seq_len=4, batch_size=1, seed=0, checksums=["0" * 64])
+    digests = [shard_sha256(p) for p in paths]
+    TokenLoader(paths, seq_len=4, batch_size=1, seed=0, checksums=digests)
+    with pytest.raises(ShardError, match=re.escape(str(paths[0]))):
+        TokenLoader(paths, seq_len=4, batch_size=1, seed=0, checksums=digests[::-1])
+
+
+def test_a_preparation_without_checksums_is_explained_and_rebuilt_the_same(
+    own_data, prepared_corpus
+):
+    corpus, _ = prepared_corpus
+    _, folder = own_data
+    path, meta = _first_shard(folder)
+    before = path.read_bytes()
+    for split in ("train", "val"):  # as the code before shard checksums wrote it
+        for shard in meta["splits"][split]["shards"]:
+            del shard["sha256"]
+    (folder / "prepared.json").write_text(json.dumps(meta))
+    with pytest.raises(CorpusError, match=r"records no checksum for train_000\.bin: .*older"):
+        _open(folder)
+    prepare.prepare(corpus, folder, vocab_size=300, verbose=False)  # what the trainer calls
+    assert path.read_bytes() == before  # the same tokens, now with their checksums
+    assert _open(folder).batch(0).shape == (8, 17)
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -499,7 +589,7 @@ def test_cli_runs_as_a_module_from_the_repo_root(tmp_path):
     assert "vocabulary 300" in proc.stdout and (tmp_path / "out" / "prepared.json").exists()
 
 
-@pytest.mark.parametrize("name", ["data", "corpus", "tokenizer", "prepare"])
+@pytest.mark.parametrize("name", ["data", "corpus", "tokenizer", "prepare", "guard"])
 def test_docstring_examples(name):
     module = importlib.import_module(f"examples.lm.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
