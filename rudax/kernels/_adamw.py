@@ -243,8 +243,8 @@ def adamw_update(
     ``update`` is built as in ``rudax.optim.fp32_master`` so that ``param + update`` in
     ``param``'s dtype is exactly ``w`` rounded to it, bit for bit. A ``master`` that
     ``param`` is not the rounding of, bitwise (the parameter was replaced outside the
-    optimizer), is first set to ``float32(param)``: one compare and select per element on
-    operands the pass reads anyway. This is torch's
+    optimizer), is first set to ``float32(param)``: a rounding, a compare and a select per
+    element on operands the pass reads anyway. This is torch's
     ``AdamW`` rule in rudax.optim's operation order (``rudax.optim.adamw``), whose results it
     matches to the bit on the XLA path; torch's own fused kernel computes
     ``p * (1 - lr * weight_decay) - lr * m_hat / denom`` instead, equal up to fp32 rounding.
