@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         "its run flags come from the run, and flags given again must agree with them",
     )
     run.add_argument(
+        "--resume-step",
+        type=non_negative_int,
+        metavar="N",
+        help="with --resume: continue from checkpoint N instead of the latest (say, when the "
+        "latest is damaged); the later checkpoints are moved into the run's superseded/ folder",
+    )
+    run.add_argument(
         "--init-from",
         metavar="DIR",
         help="start a new run with the model weights of the latest checkpoint of the run "
@@ -167,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=positive_int, default=50, help="updates between checkpoints"
     )
     run.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept on disk")
+    run.add_argument(
+        "--max-skipped-updates",
+        type=positive_int,
+        default=10,
+        metavar="N",
+        help="stop when the optimizer has skipped N updates in a row because their gradients "
+        "were not finite (fused_adamw skips such updates; under muon and adamw they make the "
+        "weights non-finite, and every optimizer stops at the first non-finite loss)",
+    )
     run.add_argument(
         "--profile",
         action="store_true",
@@ -291,6 +307,8 @@ def check_session(args: argparse.Namespace) -> None:
     """The session flags' own cross-checks, before --resume reads the run's flags."""
     if args.resume and args.init_from:
         raise UsageError("--resume continues a run; --init-from starts a new one: pick one")
+    if args.resume_step is not None and not args.resume:
+        raise UsageError("--resume-step N picks the checkpoint of --resume: add --resume")
     if args.resume and not (args.run_dir or args.name):
         raise UsageError("--resume needs the run to continue: give --run-dir or --name")
 

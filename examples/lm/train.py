@@ -5,6 +5,7 @@
     python -m examples.lm.train --mesh data=2,fsdp=4 --optimizer adamw  # 8 devices, FSDP
     python -m examples.lm.train --name a --stop-at 100   # ... later:
     python -m examples.lm.train --name a --resume        # continues to --steps, bit for bit
+    python -m examples.lm.train --name a --resume --resume-step 50   # from an earlier checkpoint
 
 With no flags it tokenizes the Python standard library's own sources into ``data/lm`` (once:
 a BPE trained locally, nothing downloaded), trains a 4-layer GPT on them with bf16 weights,
@@ -13,6 +14,11 @@ global-norm clipping, evaluates the validation loss every ``--eval-every`` updat
 checkpoints every ``--checkpoint-every``, and leaves in ``runs/<timestamp>/``:
 ``config.json``, ``checkpoints/``, ``metrics.jsonl`` and ``loss.png``. ``--help`` lists every
 flag.
+
+A run never trains on, or saves, what is broken (``examples/lm/guard.py``): shards are checked
+against their recorded SHA-256 and the vocabulary when opened; the first non-finite training
+loss stops the run, naming the update; a checkpoint of non-finite weights is never written;
+and ``--max-skipped-updates`` updates in a row skipped by the optimizer stop it too.
 
 Everything rudax offers runs here: ``rudax.layers`` (the model, ``examples/lm/model.py``),
 ``rudax.optim`` (``fp32_master``, ``GradientAccumulator``, clipping, schedules, AdamW, Muon,
@@ -26,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -43,11 +50,13 @@ import rudax.checkpoint as rc
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import config as cfg
+from examples.lm import guard
 from examples.lm.corpus import CorpusError
-from examples.lm.data import TokenLoader
+from examples.lm.data import ShardError
+from examples.lm.guard import TrainingHalted
 from examples.lm.host_memory import retain_freed_memory
 from examples.lm.model import GPT, GPTConfig, flops_per_token, shard
-from examples.lm.prepare import prepare, read_prepared, shard_paths
+from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
 from examples.lm.report import MetricsLog, plot_losses, read_rows
 from examples.lm.step import (
     batch_spec,
@@ -64,6 +73,10 @@ UsageError = cfg.UsageError
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the trainer; bad flags end in argparse's ``error:`` line and exit code 2.
+
+    A run that goes wrong (a non-finite loss or weights, too many skipped updates; see
+    ``examples/lm/guard.py``) ends in an ``error:`` line naming the update and exit code 1,
+    its checkpoints as they were before it.
 
     Args:
       argv: the command line without the program name; None reads ``sys.argv``.
@@ -82,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return train(args, cfg.given_flags(parser, argv))
     except UsageError as e:
         parser.error(str(e))
+    except TrainingHalted as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def train(args: Any, given: set[str]) -> dict[str, Any]:
@@ -89,6 +105,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     # --------------------------------------------------------------------------- config
     cfg.check_session(args)
     run_dir = _run_dir(args)
+    _check_run_dir(args, run_dir)  # now, not after the data is prepared
     if args.resume:
         _take_run_flags(args, given, run_dir)
     elif (run_dir / "checkpoints").exists():
@@ -100,11 +117,16 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     run_config = cfg.run_config(args)
     stop = args.stop_at or args.steps
     if args.resume:
-        latest = _latest_step(run_dir / "checkpoints", "--resume")
-        if latest >= stop:
+        saved = _committed_steps(run_dir / "checkpoints", "--resume")
+        if args.resume_step is not None and args.resume_step not in saved:
             raise UsageError(
-                f"--resume: the run is at update {latest} already; nothing to do "
-                f"up to update {stop}"
+                f"--resume-step {args.resume_step}: no checkpoint {args.resume_step} in "
+                f"{run_dir / 'checkpoints'}; saved: {saved}"
+            )
+        start = saved[-1] if args.resume_step is None else args.resume_step
+        if start >= stop:
+            raise UsageError(
+                f"--resume: the run is at update {start} already; nothing to do up to update {stop}"
             )
     init_from = _checkpoint_root(args.init_from) if args.init_from else None
     try:
@@ -119,18 +141,31 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- data
     data_dir = Path(args.data_dir or _default_data_dir(args.data))
+    # The trainer has no --force: rebuilding a data folder that other runs read is
+    # examples.lm.prepare's job, named here with the flags that do it.
+    rebuild = shlex.join(
+        ["python", "-m", "examples.lm.prepare"]
+        + (["--data", args.data] if args.data else [])
+        + ["--out", str(data_dir), "--vocab-size", str(args.vocab_size), "--force"]
+    )
     try:
         prepare(args.data, data_dir, vocab_size=args.vocab_size)
         vocab_size = read_prepared(data_dir)["vocab_size"]
         # Batch i is a pure function of (seed, i): resuming at update s needs nothing but s.
-        loader = lambda split: TokenLoader(
-            shard_paths(data_dir, split),
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            seed=args.seed,
+        # Each shard's checksum and largest id are checked here, once, not per batch.
+        loader = lambda split: open_split(
+            data_dir, split, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
         )
         train_data = loader("train")
         val_batches = loader("val").eval_batches(args.eval_batches)
+    except PreparationConflict as e:
+        raise UsageError(
+            f"data: --data-dir {data_dir} holds a preparation with other settings "
+            f"({e.detail}): choose another --data-dir, or rebuild it with: {rebuild} "
+            "(a run trained on the old preparation would then resume on other tokens)"
+        ) from e
+    except ShardError as e:
+        raise UsageError(f"data: {e}; prepare it again with: {rebuild}") from e
     except (CorpusError, ValueError) as e:
         raise UsageError(f"data: {e}") from e
     put = lambda b: b if mesh is None else jax.device_put(b, NamedSharding(mesh, batch_spec(mesh)))
@@ -146,6 +181,10 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = place(params, mesh)
     del model
+    if init_from is not None:
+        # Before the optimizer state is built from them: its fp32 masters start as copies of
+        # these weights, and the first update writes the masters into the parameters.
+        params = _init_from(init_from, params)
 
     # --------------------------------------------------------------------------- optimizer
     tx = make_optimizer(args)
@@ -179,7 +218,6 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     # --------------------------------------------------------------------------- checkpoint
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
-    checkpointer = rc.Checkpointer(run_dir / "checkpoints", keep=args.keep)
     # No RNG key to keep: the model has no dropout and batch i is drawn from (seed, i), so
     # the update count is the whole data position; the schedule's is in the optimizer state.
     record = lambda step, tokens: rc.TrainingRecord.capture(
@@ -191,15 +229,12 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     )
     step, tokens = 0, 0
     if args.resume:
-        try:  # the record's config is compared with this run's: a mismatch is an error
-            restored = checkpointer.restore(record(0, 0))
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from e
+        restored = _resume(run_dir, record(0, 0), args.resume_step, keep=args.keep)
         params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
         step, tokens = restored.state["step"], restored.state["tokens"]
         print(f"resumed {run_dir} at update {step} of {args.steps}")
-    elif init_from is not None:
-        params = _init_from(init_from, params)
+    checkpointer = _writer(run_dir / "checkpoints", keep=args.keep)
+    skips = guard.SkipWatch(args.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
 
     # --------------------------------------------------------------------------- loop
     log = MetricsLog(run_dir / "metrics.jsonl", resume_step=step if args.resume else None)
@@ -214,55 +249,74 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True)
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
     clock, clock_tokens = None, tokens
-    while step < stop:
-        step += 1
-        window = []
-        for a in range(args.grad_accum):
-            acc, m = steps.micro(params, acc, microbatch(step, a))
-            window.append(m)
-        params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
-        tokens += tokens_per_update
-        # Reading the loss waits for the update, so the bar counts finished updates.
-        loss = sum(float(m["ce_sum"]) for m in window) / sum(int(m["tokens"]) for m in window)
-        if clock is None:  # the session's first update compiled the steps: time from its end
-            clock, clock_tokens = time.perf_counter(), tokens
-        elapsed = time.perf_counter() - clock
-        rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
-        lr = float(lr_at(step - 1))
-        last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
-        bar.set_postfix(
-            loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
-        )
-        bar.update(1)
-        if step % args.log_every == 0 or step == stop:
-            row = dict(
-                kind="train",
-                step=step,
-                loss=loss,
-                lr=lr,
-                grad_norm=float(norm),
-                tokens=tokens,
-                tokens_per_s=rate,
+    try:
+        while step < stop:
+            step += 1
+            window = []
+            for a in range(args.grad_accum):
+                acc, m = steps.micro(params, acc, microbatch(step, a))
+                window.append(m)
+            params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
+            tokens += tokens_per_update
+            # One transfer per update, which waits for it (so the bar counts finished
+            # updates): the loss, the gradient norm and the optimizer's skip count together.
+            window, norm, skipped_so_far = jax.device_get(
+                (window, norm, guard.num_skipped(opt_state))
             )
-            if config.num_experts:
-                row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
-            log.write(**row)
-        paused = False
-        if step % args.eval_every == 0 or step == args.steps:
-            last["val_loss"] = evaluate()
-            log.write(kind="eval", step=step, val_loss=last["val_loss"])
-            bar.write(
-                f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
-                f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+            loss = sum(float(m["ce_sum"]) for m in window) / sum(int(m["tokens"]) for m in window)
+            guard.check_loss(loss, step=step, latest=checkpointer.latest_step())
+            if skips.update(step, skipped_so_far):
+                bar.write(
+                    f"update {step}: skipped by the optimizer (its gradients were not finite); "
+                    f"{skipped_so_far} skipped so far"
+                )
+            if clock is None:  # the session's first update compiled the steps: time from its end
+                clock, clock_tokens = time.perf_counter(), tokens
+            elapsed = time.perf_counter() - clock
+            rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
+            lr = float(lr_at(step - 1))
+            last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
+            bar.set_postfix(
+                loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
             )
-            paused = True
-        if step % args.checkpoint_every == 0 or step == stop:
-            checkpointer.save(step, record(step, tokens))
-            paused = True
-        if paused:  # evaluation and checkpoint time are not training throughput
-            clock, clock_tokens = time.perf_counter(), tokens
-    bar.close()
-    checkpointer.close()
+            bar.update(1)
+            if step % args.log_every == 0 or step == stop:
+                row = dict(
+                    kind="train",
+                    step=step,
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=float(norm),
+                    tokens=tokens,
+                    tokens_per_s=rate,
+                )
+                if skipped_so_far is not None:
+                    row["skipped"] = int(skipped_so_far)
+                if config.num_experts:
+                    row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
+                log.write(**row)
+            paused = False
+            if step % args.eval_every == 0 or step == args.steps:
+                last["val_loss"] = evaluate()
+                log.write(kind="eval", step=step, val_loss=last["val_loss"])
+                bar.write(
+                    f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
+                    f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+                )
+                paused = True
+            if step % args.checkpoint_every == 0 or step == stop:
+                # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
+                guard.check_finite(params, step=step, latest=checkpointer.latest_step())
+                checkpointer.save(step, record(step, tokens))
+                paused = True
+            if paused:  # evaluation and checkpoint time are not training throughput
+                clock, clock_tokens = time.perf_counter(), tokens
+    except TrainingHalted:
+        log.close()
+        raise
+    finally:
+        bar.close()
+        checkpointer.close()
 
     # --------------------------------------------------------------------------- report
     if step == args.steps:
@@ -320,6 +374,20 @@ def _run_dir(args: Any) -> Path:
     return Path(args.runs_dir) / (args.name or time.strftime("%Y%m%d-%H%M%S"))
 
 
+def _check_run_dir(args: Any, run_dir: Path) -> None:
+    """UsageError if the run directory, or a folder it would be made in, is a file."""
+    for path in (run_dir, *run_dir.parents):
+        if path.is_dir():
+            return
+        if path.exists():
+            flag = "--run-dir" if args.run_dir else ("--name" if path == run_dir else "--runs-dir")
+            given = {"--run-dir": args.run_dir, "--name": args.name, "--runs-dir": args.runs_dir}
+            raise UsageError(
+                f"{flag} {given[flag]}: {path} is a file, not a directory; give another "
+                f"{flag} or move the file"
+            )
+
+
 def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
     """--resume: the run flags come from the run; any given again must agree."""
     try:
@@ -359,31 +427,92 @@ def _mesh(spec: dict[str, int] | None) -> Mesh | None:
     return Mesh(np.array(jax.devices()).reshape(tuple(spec.values())), tuple(spec))
 
 
-def _latest_step(directory: Path, flag: str) -> int:
-    """The newest committed checkpoint step in directory; UsageError if there is none."""
+def _committed_steps(directory: Path, flag: str) -> list[int]:
+    """The committed checkpoint steps in directory, oldest first; UsageError if none."""
     if not directory.is_dir():
         raise UsageError(f"{flag}: no checkpoint directory {directory}")
-    checkpointer = rc.Checkpointer(directory)
+    checkpointer = rc.Checkpointer(directory, read_only=True)  # beside a writer if need be
     try:
-        latest = checkpointer.latest_step()
+        steps = checkpointer.all_steps()
     finally:
         checkpointer.close()
-    if latest is None:
+    if not steps:
         raise UsageError(f"{flag}: no checkpoint in {directory}")
-    return latest
+    return steps
+
+
+def _resume(
+    run_dir: Path, like: rc.TrainingRecord, step: int | None, *, keep: int
+) -> rc.TrainingRecord:
+    """--resume: checkpoint ``step`` (None: the latest) of run_dir, restored into ``like``.
+
+    A damaged checkpoint is a UsageError naming the intact ones, each tried by restoring it,
+    and the --resume-step that picks one. Resuming from an earlier step moves the later ones
+    into ``run_dir/superseded/``: this session saves those step numbers again, and nothing
+    committed is deleted.
+    """
+    directory = run_dir / "checkpoints"
+    checkpointer = _writer(directory, keep=keep)  # the lock: no other session writes meanwhile
+    try:
+        saved = checkpointer.all_steps()
+        chosen = saved[-1] if step is None else step
+        try:  # the record's config is compared with this run's: a mismatch is an error
+            restored = checkpointer.restore(like, step=chosen)
+        except rc.CheckpointCorruptedError as e:
+            intact = [s for s in saved if s != chosen and _restores(checkpointer, like, s)]
+            fix = (
+                f"intact: {', '.join(map(str, intact))}; continue from one with "
+                f"--resume-step {intact[-1]}"
+                if intact
+                else "no other checkpoint is intact"
+            )
+            raise UsageError(
+                f"--resume: checkpoint {chosen} in {directory} is damaged; {fix} ({e})"
+            ) from e
+        except ValueError as e:
+            raise UsageError(f"--resume: {e}") from e
+    finally:
+        checkpointer.close()
+    later = [s for s in saved if s > chosen]
+    if later:
+        aside = run_dir / "superseded"
+        aside.mkdir(exist_ok=True)
+        for s in later:
+            target = aside / str(s)
+            if target.exists():  # superseded before, by an earlier --resume-step
+                target = aside / f"{s}-{time.strftime('%Y%m%d-%H%M%S')}"
+            (directory / str(s)).rename(target)
+        print(f"--resume-step {chosen}: moved the later checkpoints {later} into {aside}")
+    return restored
+
+
+def _writer(directory: Path, *, keep: int) -> rc.Checkpointer:
+    """The run's Checkpointer; UsageError if another process has the directory open."""
+    try:
+        return rc.Checkpointer(directory, keep=keep)
+    except rc.CheckpointLockedError as e:
+        raise UsageError(f"the run's checkpoints are in use: {e}") from e
+
+
+def _restores(checkpointer: rc.Checkpointer, like: rc.TrainingRecord, step: int) -> bool:
+    try:
+        checkpointer.restore(like, step=step)
+    except ValueError:  # CheckpointCorruptedError, or a step of another config
+        return False
+    return True
 
 
 def _checkpoint_root(source: str) -> Path:
     """--init-from DIR: DIR's checkpoints/ if DIR is a run directory, else DIR itself."""
     root = Path(source)
     root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-    _latest_step(root, "--init-from")
+    _committed_steps(root, "--init-from")
     return root
 
 
 def _init_from(root: Path, params: Any) -> Any:
     """The model weights of root's latest checkpoint, nothing else; root is only read."""
-    checkpointer = rc.Checkpointer(root)
+    checkpointer = rc.Checkpointer(root, read_only=True)  # the source is never written
     like = rc.TrainingRecord(model=params, optimizer=None, accumulator=None, state=None)
     try:
         # strict=False: read the model part only, whatever optimizer and config it ran with.
