@@ -98,8 +98,8 @@ def step_problem(root: str, step: int) -> str | None:
     where = os.path.join(root, str(step))
     if os.path.islink(where):
         return (
-            f"the step directory is a symlink to {os.path.realpath(where)}; refusing to read a "
-            "checkpoint from outside the checkpoint root"
+            f"the step directory is a symlink to {os.path.realpath(where)}; orbax writes none, "
+            "and rudax follows none: it could lead anywhere"
         )
     if not os.path.lexists(where):
         return "missing"
