@@ -1,10 +1,7 @@
 """One shape for the bad-input tables: a factory called with one bad argument must raise.
 
-``rejects`` builds a table over one factory's arguments; ``catalog`` builds the issue-11
-catalog of user mistakes across a package (``tests/optim/test_bad_inputs.py``), where each case
-is any call: ``bad(id, trigger, error, match)`` must raise, ``holds(id, check)`` must run and
-its assertions hold (a mistake rudax now handles instead of refusing, such as weights loaded
-after ``tx.init``).
+The catalog of user mistakes across a package (``tests/*/test_bad_inputs.py``), where a case is
+any call rather than one factory's arguments, has its shape in ``tests/_catalog.py``.
 
 A test module lists its own cases and builds its test from them::
 
@@ -59,33 +56,5 @@ def rejects(
     def test(factory: Callable[..., Any], kwargs: dict, error: type[Exception], match: str):
         with pytest.raises(error, match=match):
             factory(**{**defaults, **kwargs})
-
-    return test
-
-
-def bad(case_id: str, trigger: Callable[[], Any], error: type[Exception], match: str) -> Any:
-    """A catalog case: ``trigger()`` raises ``error`` with a message that ``match`` finds."""
-    return pytest.param(trigger, error, match, id=case_id)
-
-
-def holds(case_id: str, check: Callable[[], Any]) -> Any:
-    """A catalog case: ``check()`` runs without an error and its own assertions hold."""
-    return pytest.param(check, None, None, id=case_id)
-
-
-def catalog(cases: Sequence[Any]) -> Callable[..., None]:
-    """A test parametrized over ``bad`` and ``holds`` cases (ids must be unique)."""
-    ids = [case.id for case in cases]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicates:
-        raise ValueError(f"catalog case ids must be unique, repeated: {duplicates}")
-
-    @pytest.mark.parametrize("trigger, error, match", cases)
-    def test(trigger: Callable[[], Any], error: type[Exception] | None, match: str | None):
-        if error is None:
-            trigger()
-        else:
-            with pytest.raises(error, match=match):
-                trigger()
 
     return test

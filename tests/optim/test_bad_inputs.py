@@ -2,7 +2,7 @@
 
 Each case is a mistake a user makes with the optimizers, schedules, clipping, accumulation,
 fp32 masters or loss scaling, and what rudax must answer: the exception and the words that
-name the argument, the pytree path or the value. The ``holds`` cases are mistakes that used to
+name the argument, the pytree path or the value. The ``Holds`` cases are mistakes that used to
 give a silently wrong result and are now handled (weights loaded after ``tx.init``, an empty
 matrix under Muon); their checks assert the right result.
 """
@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 import rudax.optim as ro
-from tests.optim._bad_input import bad, catalog, holds
+from tests._catalog import Bad, Holds, catalog
 from tests.optim._harness import assert_follows_replaced_params
 
 P = {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))}
@@ -47,216 +47,216 @@ def loss_scale_then_masters_on_loaded_weights():
 
 CASES = [
     # --- hyperparameters -----------------------------------------------------------------
-    bad("adamw-negative-lr", lambda: ro.adamw(-1e-3), ValueError, r"learning_rate=-0\.001"),
-    bad("adam-b1-one", lambda: ro.adam(0.1, b1=1.0), ValueError, r"b1 must be in \[0\.0, 1\.0\)"),
-    bad("adamw-lr-as-string", lambda: ro.adamw("3e-4"), TypeError, r"learning_rate='3e-4'"),
-    bad(
+    Bad("adamw-negative-lr", lambda: ro.adamw(-1e-3), ValueError, r"learning_rate=-0\.001"),
+    Bad("adam-b1-one", lambda: ro.adam(0.1, b1=1.0), ValueError, r"b1 must be in \[0\.0, 1\.0\)"),
+    Bad("adamw-lr-as-string", lambda: ro.adamw("3e-4"), TypeError, r"learning_rate='3e-4'"),
+    Bad(
         "sgd-nesterov-without-momentum",
         lambda: ro.sgd(0.1, nesterov=True),
         ValueError,
         r"nesterov=True requires momentum > 0",
     ),
-    bad("rmsprop-nan-alpha", lambda: ro.rmsprop(0.1, alpha=float("nan")), ValueError, "alpha=nan"),
-    bad(
+    Bad("rmsprop-nan-alpha", lambda: ro.rmsprop(0.1, alpha=float("nan")), ValueError, "alpha=nan"),
+    Bad(
         "adagrad-negative-lr-decay", lambda: ro.adagrad(0.1, lr_decay=-0.1), ValueError, "lr_decay"
     ),
-    bad("adan-b3-above-one", lambda: ro.adan(0.1, b3=1.5), ValueError, r"b3=1\.5"),
-    bad("muon-ns-steps-100", lambda: ro.muon(0.02, ns_steps=100), ValueError, "ns_steps=100"),
-    bad("lbfgs-c2-below-c1", lambda: ro.lbfgs(c1=0.5, c2=0.4), ValueError, "c2 must be larger"),
-    bad(
+    Bad("adan-b3-above-one", lambda: ro.adan(0.1, b3=1.5), ValueError, r"b3=1\.5"),
+    Bad("muon-ns-steps-100", lambda: ro.muon(0.02, ns_steps=100), ValueError, "ns_steps=100"),
+    Bad("lbfgs-c2-below-c1", lambda: ro.lbfgs(c1=0.5, c2=0.4), ValueError, "c2 must be larger"),
+    Bad(
         "fused_adamw-bf16-masters",
         lambda: ro.fused_adamw(0.1, master_dtype=jnp.bfloat16),
         ValueError,
         "master_dtype",
     ),
     # --- schedules --------------------------------------------------------------------------
-    bad(
+    Bad(
         "step_schedule-zero-step-size",
         lambda: ro.step_schedule(0.1, 0, 0.5),
         ValueError,
         "step_size=0",
     ),
-    bad(
+    Bad(
         "warmup-longer-than-decay",
         lambda: ro.warmup_cosine_schedule(1e-3, warmup_steps=100, decay_steps=50),
         ValueError,
         r"decay_steps=50, warmup_steps=100",
     ),
-    bad(
+    Bad(
         "schedule-of-a-float-count",
         lambda: ro.step_schedule(0.1, 10, 0.5)(jnp.float32(3.0)),
         TypeError,
         "integer update count",
     ),
     # --- clipping ---------------------------------------------------------------------------
-    bad("clip-zero-max-norm", lambda: ro.clip_by_global_norm(0.0), ValueError, r"max_norm=0\.0"),
-    bad(
+    Bad("clip-zero-max-norm", lambda: ro.clip_by_global_norm(0.0), ValueError, r"max_norm=0\.0"),
+    Bad(
         "clip-int-gradient",
         lambda: update(ro.clip_per_parameter(1.0), {"w": jnp.ones((4, 3)), "b": jnp.ones(3, int)}),
         TypeError,
         r"\['b'\] must have a floating dtype",
     ),
-    bad(
+    Bad(
         "clip-one-row-gradient",
         lambda: update(ro.clip_by_global_norm(1.0), ONE_ROW),
         ValueError,
         r"gradients\['w'\] has shape \(1, 3\), params\['w'\] has shape \(4, 3\)",
     ),
     # --- wrong trees and shapes (item 2) ----------------------------------------------------
-    bad(
+    Bad(
         "adamw-one-row-gradient",
         lambda: update(ro.adamw(0.1), ONE_ROW),
         ValueError,
         r"adamw: gradients\['w'\] has shape \(1, 3\), params\['w'\] has shape \(4, 3\)",
     ),
-    bad(
+    Bad(
         "sgd-transposed-gradient",
         lambda: update(ro.sgd(0.1, momentum=0.9), TRANSPOSED),
         ValueError,
         r"sgd: gradients\['w'\] has shape \(3, 4\)",
     ),
-    bad(
+    Bad(
         "muon-gradient-extra-leaf",
         lambda: update(ro.muon(0.02), {**P, "head": jnp.ones((3, 2))}),
         ValueError,
         r"muon: gradients .*unexpected leaves .*\['head'\]",
     ),
-    bad(
+    Bad(
         "adan-gradient-missing-leaf",
         lambda: update(ro.adan(0.1), {"w": P["w"]}),
         ValueError,
         r"adan: gradients .*missing leaves .*\['b'\]",
     ),
-    bad(
+    Bad(
         "rmsprop-state-from-other-params",
         lambda: update(ro.rmsprop(0.1), P, state_params=ONE_ROW),
         ValueError,
         r"state\.square_avg\['w'\] has shape \(1, 3\), gradients\['w'\] has shape \(4, 3\)",
     ),
-    bad(
+    Bad(
         "fused_adamw-state-from-other-params",
         lambda: update(ro.fused_adamw(0.1, impl="xla"), P, state_params=ONE_ROW),
         ValueError,
         r"fused_adamw: state\.exp_avg\['w'\] has shape \(1, 3\)",
     ),
-    bad(
+    Bad(
         "lbfgs-transposed-gradient",
         lambda: update(ro.lbfgs(line_search=None), TRANSPOSED),
         ValueError,
         r"lbfgs: gradients\['w'\] has shape \(3, 4\)",
     ),
-    bad(
+    Bad(
         "skip_nonfinite-one-row-gradient",
         lambda: update(ro.skip_nonfinite(ro.sgd(0.1)), ONE_ROW),
         ValueError,
         r"skip_nonfinite: gradients\['w'\]",
     ),
-    bad(
+    Bad(
         "adagrad-nnx-state-gradients-for-dict-params",
         lambda: update(ro.adagrad(0.1), nnx.State(P)),
         ValueError,
         "different containers",
     ),
     # --- missing arguments -----------------------------------------------------------------
-    bad(
+    Bad(
         "lbfgs-line-search-without-value-fn",
         lambda: update(ro.lbfgs(), P),
         TypeError,
         r"needs \['value', 'grad', 'value_fn'\]",
     ),
-    bad("muon-update-without-params", lambda: update(ro.muon(0.02), P, None), ValueError, "params"),
-    bad(
+    Bad("muon-update-without-params", lambda: update(ro.muon(0.02), P, None), ValueError, "params"),
+    Bad(
         "muon-3d-kernel-in-mask",
         lambda: ro.muon(0.02, muon_mask={"k": True}).init({"k": jnp.ones((2, 2, 2))}),
         ValueError,
         r"params\['k'\] has shape \(2, 2, 2\)",
     ),
     # --- accumulation -----------------------------------------------------------------------
-    bad(
+    Bad(
         "accumulate-transposed-gradient",
         lambda: add(TRANSPOSED),
         ValueError,
         r"GradientAccumulator\.add: gradients\['w'\] has shape \(3, 4\), sums\['w'\]",
     ),
-    bad("accumulate-missing-leaf", lambda: add({"w": P["w"]}), ValueError, r"missing leaves .*'b'"),
-    bad("accumulate-negative-weight", lambda: add(P, weight=-3), ValueError, "weight=-3"),
-    bad(
+    Bad("accumulate-missing-leaf", lambda: add({"w": P["w"]}), ValueError, r"missing leaves .*'b'"),
+    Bad("accumulate-negative-weight", lambda: add(P, weight=-3), ValueError, "weight=-3"),
+    Bad(
         "accumulator-on-int-buffer",
         lambda: ro.GradientAccumulator.init({"step": jnp.zeros((), jnp.int32)}),
         TypeError,
         r"\['step'\] has dtype=int32",
     ),
     # --- fp32 masters (items 1 and 3) -------------------------------------------------------
-    bad(
+    Bad(
         "fp32_master-complex-gradient",
         lambda: update(ro.fp32_master(ro.sgd(0.1)), {**P, "b": jnp.ones(3, jnp.complex64)}),
         TypeError,
         r"fp32_master: gradient \['b'\] must have a floating dtype, got dtype=complex64",
     ),
-    bad(
+    Bad(
         "fp32_master-int-gradient",
         lambda: update(ro.fp32_master(ro.sgd(0.1)), {**P, "w": jnp.ones((4, 3), jnp.int32)}),
         TypeError,
         r"gradient \['w'\] .*dtype=int32",
     ),
-    bad(
+    Bad(
         "fp32_master-one-row-gradient",
         lambda: update(ro.fp32_master(ro.adamw(0.1)), ONE_ROW),
         ValueError,
         r"fp32_master: gradients\['w'\] has shape \(1, 3\)",
     ),
-    bad(
+    Bad(
         "fp32_master-int-buffer-in-params",
         lambda: ro.fp32_master(ro.sgd(0.1)).init({**P, "step": jnp.zeros((), jnp.int32)}),
         TypeError,
         r"parameter \['step'\] has dtype=int32",
     ),
-    bad("fp32_master-uncalled-inner", lambda: ro.fp32_master(ro.sgd), TypeError, "inner"),
-    bad(
+    Bad("fp32_master-uncalled-inner", lambda: ro.fp32_master(ro.sgd), TypeError, "inner"),
+    Bad(
         "fp32_master-update-without-params",
         lambda: update(ro.fp32_master(ro.sgd(0.1)), P, None),
         ValueError,
         "needs params",
     ),
-    holds(
+    Holds(
         "fp32_master-weights-loaded-after-init",
         lambda: assert_follows_replaced_params(
             lambda lr: ro.fp32_master(ro.adamw(lr)), jnp.dtype(jnp.bfloat16)
         ),
     ),
-    holds(
+    Holds(
         "fused_adamw-weights-loaded-after-init",
         lambda: assert_follows_replaced_params(
             lambda lr: ro.fused_adamw(lr, impl="xla"), jnp.dtype(jnp.float16)
         ),
     ),
-    holds("muon-empty-matrix", muon_empty_matrix),
+    Holds("muon-empty-matrix", muon_empty_matrix),
     # --- loss scaling -----------------------------------------------------------------------
-    bad(
+    Bad(
         "loss-scale-min-above-init",
         lambda: ro.dynamic_loss_scale(ro.sgd(0.1), init_scale=8.0, min_scale=16.0),
         ValueError,
         r"min_scale=16\.0 and init_scale=8\.0",
     ),
-    bad(
+    Bad(
         "loss-scale-growth-factor-one",
         lambda: ro.dynamic_loss_scale(ro.sgd(0.1), growth_factor=1.0),
         ValueError,
         r"growth_factor=1\.0",
     ),
-    bad(
+    Bad(
         "loss_scale-of-a-state-without-one",
         lambda: ro.loss_scale(ro.adamw(0.1).init(P)),
         ValueError,
         "holds no DynamicLossScaleState",
     ),
-    bad(
+    Bad(
         "loss-scale-one-row-gradient",
         lambda: update(ro.dynamic_loss_scale(ro.fp32_master(ro.sgd(0.1))), ONE_ROW),
         ValueError,
         r"dynamic_loss_scale: gradients\['w'\] has shape \(1, 3\)",
     ),
-    holds("loss-scale-masters-on-loaded-weights", loss_scale_then_masters_on_loaded_weights),
+    Holds("loss-scale-masters-on-loaded-weights", loss_scale_then_masters_on_loaded_weights),
 ]
 
 test_bad_input = catalog(CASES)
