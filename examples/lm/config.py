@@ -58,6 +58,9 @@ RUN_KEYS = (
 )
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 class UsageError(Exception):
     """A flag value that only the machine or the disk can refute; reported like a bad flag."""
 
@@ -78,6 +81,12 @@ def _number(kind: type, low: float, *, inclusive: bool = True, high: float | Non
             if high is not None:
                 bound += f" and < {high}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        if kind is float and abs(value) > _FLOAT32_MAX:
+            # Every float flag becomes a float32 on the device: 1e39 would be inf there, and
+            # the learning rate of the first update NaN.
+            raise argparse.ArgumentTypeError(
+                f"must be at most {_FLOAT32_MAX:.7g} (float32's largest), got {text}"
+            )
         return value
 
     return parse

@@ -134,6 +134,8 @@ def prepare(
         return out_dir
     if state == "different" and not force:
         raise PreparationConflict(out_dir, detail)
+    if state == "foreign" and not out_dir.is_dir():
+        raise CorpusError(f"{out_dir} is a file, not a folder: choose another output folder")
     if state == "foreign":
         raise CorpusError(
             f"{out_dir} exists, is not empty and holds no {META}: not overwriting it; "

@@ -491,7 +491,7 @@ def _writer(directory: Path, *, keep: int) -> rc.Checkpointer:
     try:
         return rc.Checkpointer(directory, keep=keep)
     except rc.CheckpointLockedError as e:
-        raise UsageError(f"the run's checkpoints are in use: {e}") from e
+        raise UsageError(f"--run-dir {directory.parent}: its checkpoints are in use: {e}") from e
 
 
 def _restores(checkpointer: rc.Checkpointer, like: rc.TrainingRecord, step: int) -> bool:
