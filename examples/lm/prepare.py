@@ -6,8 +6,9 @@
 Writes into the output folder ``tokenizer.json`` (a byte-level BPE trained with the
 ``tokenizers`` package on the train split, nothing downloaded), the token shards
 ``train_000.bin``, ... and ``val_000.bin``, ... (``examples.lm.data`` format) and
-``prepared.json``, which records what was built. Each document's tokens are followed by
-``<|endoftext|>``, so a model sees where one ends.
+``prepared.json``, which records what was built, with each shard's SHA-256 (``open_split``
+checks every shard against it, and its ids against the vocabulary, when the trainer opens
+it). Each document's tokens are followed by ``<|endoftext|>``, so a model sees where one ends.
 
 The trainer calls ``prepare`` on every start: a complete preparation of the same source and
 settings is returned at once. Everything is built in a hidden temporary folder beside the
@@ -241,8 +242,9 @@ def open_split(
     if missing:
         raise CorpusError(
             f"{Path(out_dir) / META} records no checksum for {missing[0]}: it was prepared by "
-            "an older version of examples.lm; prepare it again (python -m examples.lm.prepare "
-            f"--out {out_dir} --force, or start the trainer, which rebuilds it)"
+            f"an older version of examples.lm; prepare it again from its source "
+            f"({meta['settings'].get('source')}) with the same settings: prepare() and "
+            "examples.lm.train rebuild it on their own"
         )
     return TokenLoader(
         [Path(out_dir) / s["file"] for s in shards],
