@@ -30,6 +30,7 @@ class Bad(NamedTuple):
     call: Callable[[], Any]  # makes the mistake
     error: type[Exception]  # the exception type it must raise
     match: str  # a regular expression the message must contain (re.search)
+    marks: Any = ()  # pytest marks of this case, e.g. pytest.mark.slow
 
 
 class Holds(NamedTuple):
@@ -37,6 +38,7 @@ class Holds(NamedTuple):
 
     id: str  # the test id: what the user did, in a few words
     check: Callable[[], Any]  # makes the mistake and asserts the right result
+    marks: Any = ()  # pytest marks of this case, e.g. pytest.mark.slow
 
 
 def catalog(cases: Sequence[Bad | Holds]) -> Callable[[Bad | Holds], None]:
@@ -46,7 +48,9 @@ def catalog(cases: Sequence[Bad | Holds]) -> Callable[[Bad | Holds], None]:
     if duplicated:
         raise ValueError(f"catalog ids must be unique, got duplicates {duplicated}")
 
-    @pytest.mark.parametrize("case", cases, ids=ids)
+    params = [pytest.param(case, id=case.id, marks=case.marks) for case in cases]
+
+    @pytest.mark.parametrize("case", params)
     def test(case: Bad | Holds) -> None:
         if isinstance(case, Holds):
             case.check()

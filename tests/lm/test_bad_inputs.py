@@ -271,7 +271,8 @@ CASES = [
         r"dtype bfloat16, template shape \(64, 64\)"),
     # ------------------------------------------------------------------ runs that go wrong
     Bad("lr-that-diverges", lambda: _fresh("--optimizer", "adamw", "--lr", "1e30"), HaltExit,
-        r"update \d: (the training loss is nan|parameter params\[.*\] is not finite)"),
+        r"update \d: (the training loss is nan|parameter params\[.*\] is not finite)",
+        marks=pytest.mark.slow),
 ]  # fmt: skip
 
 test_bad_input = catalog(CASES)
