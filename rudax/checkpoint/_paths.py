@@ -25,9 +25,11 @@ another process can be in flight).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -152,7 +154,28 @@ def remove_leftovers(root: str) -> None:
         if os.path.islink(path) or not os.path.isdir(path):
             os.unlink(path)
         else:
+            _remove_tree(path)
+
+
+def _remove_tree(path: str, *, attempts: int = 20, pause_s: float = 0.1) -> None:
+    """shutil.rmtree, retried while a file still appears in it; the last failure is raised.
+
+    The lock rules out another writer, but not orbax's own threads of a save that failed in
+    this process: when one item of an async save fails (its hashing, say), orbax reports it
+    while the other items' tensorstore writes may still be finishing, after the failed
+    Checkpointer closed. Those writes end within moments; rmtree meets them as "Directory not
+    empty" (a file created after it listed the folder).
+    """
+    for attempt in range(attempts):
+        try:
             shutil.rmtree(path)
+            return
+        except OSError as e:
+            if not os.path.lexists(path):
+                return
+            if e.errno not in (errno.ENOTEMPTY, errno.ENOENT) or attempt == attempts - 1:
+                raise
+            time.sleep(pause_s)
 
 
 @dataclasses.dataclass(frozen=True)
