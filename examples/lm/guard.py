@@ -16,6 +16,7 @@ Three checks of ``examples.lm.train``, each raising ``TrainingHalted`` with the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -91,13 +92,14 @@ def _finite_leaves(tree: Any) -> jax.Array:
     )
 
 
-def check_finite(params: Any, *, step: int, latest: int | None) -> None:
+def check_finite(params: Any, *, step: int, latest: Callable[[], int | None]) -> None:
     """Raises ``TrainingHalted`` naming the first parameter with an inf or NaN.
 
     Args:
       params: the parameters about to be checkpointed.
       step: the update they are the result of.
-      latest: the newest checkpoint on disk, named in the message as the one to go back to.
+      latest: returns the newest checkpoint on disk, named in the message as the one to go
+        back to; called only when there is something to report.
     """
     finite = jax.device_get(_finite_leaves(params))
     if finite.all():
@@ -111,18 +113,22 @@ def check_finite(params: Any, *, step: int, latest: int | None) -> None:
     more = f", and {len(bad) - 1} more" if len(bad) > 1 else ""
     raise TrainingHalted(
         f"update {step}: parameter params{bad[0]} is not finite (inf or NaN){more}; not "
-        f"saving checkpoint {step}, {_kept(latest)}. A learning rate too high is the usual "
+        f"saving checkpoint {step}, {_kept(latest())}. A learning rate too high is the usual "
         "cause"
     )
 
 
-def check_loss(loss: float, *, step: int, latest: int | None) -> None:
-    """Raises ``TrainingHalted`` if the training loss of update ``step`` is not finite."""
+def check_loss(loss: float, *, step: int, latest: Callable[[], int | None]) -> None:
+    """Raises ``TrainingHalted`` if the training loss of update ``step`` is not finite.
+
+    Called every update, so ``latest`` (as for ``check_finite``) lists the checkpoints only
+    when the loss is not finite: listing them reads the directory.
+    """
     if math.isfinite(loss):
         return
     raise TrainingHalted(
         f"update {step}: the training loss is {loss}; stopping before anything of it is "
-        f"saved ({_kept(latest)}). Token ids outside the vocabulary (damaged data) or a "
+        f"saved ({_kept(latest())}). Token ids outside the vocabulary (damaged data) or a "
         "learning rate too high are the usual causes"
     )
 

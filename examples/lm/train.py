@@ -264,7 +264,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                 (window, norm, guard.num_skipped(opt_state))
             )
             loss = sum(float(m["ce_sum"]) for m in window) / sum(int(m["tokens"]) for m in window)
-            guard.check_loss(loss, step=step, latest=checkpointer.latest_step())
+            guard.check_loss(loss, step=step, latest=checkpointer.latest_step)
             if skips.update(step, skipped_so_far):
                 bar.write(
                     f"update {step}: skipped by the optimizer (its gradients were not finite); "
@@ -306,7 +306,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                 paused = True
             if step % args.checkpoint_every == 0 or step == stop:
                 # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
-                guard.check_finite(params, step=step, latest=checkpointer.latest_step())
+                guard.check_finite(params, step=step, latest=checkpointer.latest_step)
                 checkpointer.save(step, record(step, tokens))
                 paused = True
             if paused:  # evaluation and checkpoint time are not training throughput
