@@ -82,8 +82,8 @@ def _labels(params: Any, label: Callable[[str, Any], Any]) -> Any:
 
 def make_schedule(args: argparse.Namespace, peak: float) -> optax.Schedule:
     """Linear warmup to ``peak`` over ``--warmup`` updates, cosine to ``peak * --min-lr-ratio``."""
-    return ro.warmup_cosine_schedule(
-        peak, args.warmup, args.steps, end_value=peak * args.min_lr_ratio
+    return ro.warmup_cosine_decay_schedule(
+        0.0, peak, args.warmup, args.steps, end_value=peak * args.min_lr_ratio
     )
 
 

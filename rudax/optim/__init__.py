@@ -45,7 +45,6 @@ from rudax.optim._schedules import piecewise_constant_schedule as piecewise_cons
 from rudax.optim._schedules import polynomial_schedule as polynomial_schedule
 from rudax.optim._schedules import step_schedule as step_schedule
 from rudax.optim._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
-from rudax.optim._schedules import warmup_cosine_schedule as warmup_cosine_schedule
 from rudax.optim._sgd import sgd as sgd
 
 __all__ = [
@@ -85,5 +84,4 @@ __all__ = [
     "skip_nonfinite",
     "step_schedule",
     "warmup_cosine_decay_schedule",
-    "warmup_cosine_schedule",
 ]

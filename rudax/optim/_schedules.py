@@ -11,6 +11,11 @@ The schedules here run under ``jax_numpy_dtype_promotion="strict"``: the count (
 traced under jit, or a Python int) is cast explicitly and the value is always fp32. optax's own
 schedules, re-exported in ``rudax.optim`` for convenience, multiply a Python float by an int32
 count and so need standard promotion.
+
+One name per schedule: a schedule optax has keeps optax's name, signature and argument order.
+``warmup_cosine_decay_schedule`` is rudax's own implementation of optax's (same signature, same
+values, strict promotion); the others are optax's functions themselves. ``step_schedule`` is
+torch's ``StepLR``, which optax spells only as a special case of ``exponential_decay``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from optax import join_schedules as join_schedules
 from optax import linear_schedule as linear_schedule
 from optax import piecewise_constant_schedule as piecewise_constant_schedule
 from optax import polynomial_schedule as polynomial_schedule
-from optax import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 
 from rudax._validation import check_finite, check_int, check_positive, check_positive_int
 
@@ -99,38 +103,47 @@ def step_schedule(init_value: float, step_size: int, gamma: float) -> optax.Sche
     return schedule
 
 
-def warmup_cosine_schedule(
+def warmup_cosine_decay_schedule(
+    init_value: float,
     peak_value: float,
     warmup_steps: int,
     decay_steps: int,
-    *,
-    init_value: float = 0.0,
     end_value: float = 0.0,
+    exponent: float = 1.0,
 ) -> optax.Schedule:
-    """Linear warmup to ``peak_value``, then cosine decay to ``end_value``.
+    """Linear warmup from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
 
-    With ``W = warmup_steps`` and ``D = decay_steps`` (``D`` counts the warmup, as in
-    ``optax.warmup_cosine_decay_schedule``: the cosine part lasts ``D - W`` updates)::
+    ``optax.warmup_cosine_decay_schedule``'s signature, argument order and values, under strict
+    dtype promotion and with its arguments checked. With ``W = warmup_steps``,
+    ``D = decay_steps`` (``D`` counts the warmup: the cosine part lasts ``D - W`` updates) and
+    ``p = exponent``::
 
         value(count) = init_value + (peak_value - init_value) * count / W     count < W
         value(count) = end_value + (peak_value - end_value)
-                       * 0.5 * (1 + cos(pi * (count - W) / (D - W)))          W <= count <= D
+                       * (0.5 * (1 + cos(pi * (count - W) / (D - W)))) ** p   W <= count <= D
         value(count) = end_value                                              count >= D
 
-    The peak is reached at ``count == W``; ``W = 0`` starts at the peak. The values equal
-    optax's schedule with the same arguments, except that optax ignores ``end_value`` when
-    ``peak_value == 0`` (it decays relative to the peak) and this one does not. torch has no
-    single equivalent (``LinearLR`` then ``CosineAnnealingLR`` joined by ``SequentialLR``).
+    The peak is reached at ``count == W``; ``W = 0`` starts at the peak. Every argument means
+    what it means in optax, in the same position, so ``optax.warmup_cosine_decay_schedule(...)``
+    becomes ``rudax.optim.warmup_cosine_decay_schedule(...)`` with the same values. Three
+    differences: the value is always an fp32 scalar and the count is cast explicitly, so the
+    schedule runs under ``jax_numpy_dtype_promotion="strict"`` (optax's needs standard
+    promotion); bad arguments (a NaN value, a negative or float step count) are a ValueError
+    or TypeError here, where optax builds a schedule from them; and ``end_value`` is honoured
+    when ``peak_value == 0``, where optax decays relative to the peak and so silently returns
+    0. torch has no single equivalent (``LinearLR`` then ``CosineAnnealingLR`` joined by
+    ``SequentialLR``).
 
     The count advances once per parameter update (``tx.update``), never per microbatch.
 
     Args:
+      init_value: the value at count 0, where the warmup starts; finite.
       peak_value: the value at the end of the warmup; finite.
       warmup_steps: the number of warmup updates; an int >= 0.
       decay_steps: the total number of updates, warmup included, after which the value stays
         at ``end_value``; an int > ``warmup_steps``.
-      init_value: the value at count 0, where the warmup starts; finite.
       end_value: the value from ``decay_steps`` on; finite.
+      exponent: the power ``p`` of the cosine factor; finite and > 0 (1 is the plain cosine).
 
     Returns:
       A schedule: a function of the int update count (Python int or int32 array, traced or
@@ -138,7 +151,7 @@ def warmup_cosine_schedule(
 
     Example:
       >>> import rudax.optim as ro
-      >>> schedule = ro.warmup_cosine_schedule(1.0, warmup_steps=10, decay_steps=110)
+      >>> schedule = ro.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=10, decay_steps=110)
       >>> [round(float(schedule(n)), 4) for n in (0, 5, 10, 60, 110, 500)]
       [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
 
@@ -147,11 +160,12 @@ def warmup_cosine_schedule(
       <https://arxiv.org/abs/1608.03983>`_, 2017; Goyal et al., `Accurate, Large Minibatch
       SGD: Training ImageNet in 1 Hour <https://arxiv.org/abs/1706.02677>`_, 2017 (warmup).
     """
-    check_finite("peak_value", peak_value)
     check_finite("init_value", init_value)
-    check_finite("end_value", end_value)
+    check_finite("peak_value", peak_value)
     _check_step_count("warmup_steps", warmup_steps, allow_zero=True)
     _check_step_count("decay_steps", decay_steps, allow_zero=False)
+    check_finite("end_value", end_value)
+    concrete_exponent = check_positive("exponent", exponent)
     if decay_steps <= warmup_steps:
         raise ValueError(
             "decay_steps counts the warmup and must be > warmup_steps, "
@@ -168,6 +182,10 @@ def warmup_cosine_schedule(
         # Subtracting in int32 before the cast keeps the cosine's phase exact for large counts.
         elapsed = jnp.clip(count - warmup_steps, 0, cosine_steps).astype(jnp.float32)
         cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * (elapsed / cosine_steps)))
+        # The default exponent compiles no pow: the plain cosine stays bit-for-bit the same on
+        # every backend. A traced exponent (concrete_exponent None) always takes the pow.
+        if concrete_exponent != 1.0:
+            cosine = jnp.power(cosine, jnp.asarray(exponent, jnp.float32))
         decay = end + (peak - end) * cosine
         return jnp.where(count < warmup_steps, warmup, decay)
 

@@ -78,7 +78,7 @@ CASES = [
     ),
     Bad(
         "warmup-longer-than-decay",
-        lambda: ro.warmup_cosine_schedule(1e-3, warmup_steps=100, decay_steps=50),
+        lambda: ro.warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=100, decay_steps=50),
         ValueError,
         r"decay_steps=50, warmup_steps=100",
     ),
