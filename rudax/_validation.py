@@ -92,8 +92,22 @@ def check_in_range(
         else:
             bound = "in " + ("[" if low_inclusive else "(") + f"{low}, {high}"
             bound += "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be {bound}, got {name}={value!r}")
+        raise ValueError(f"{name} must be {bound}, got {name}={value!r}{_narrow_hint(value)}")
     return v
+
+
+def _narrow_hint(value: Any) -> str:
+    """Why a hyperparameter may arrive as a bf16/fp16 array, and the fix."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return ""
+    if np.dtype(dtype).itemsize >= 4:
+        return ""
+    return (
+        f". A {np.dtype(dtype).name} hyperparameter is rounded (0.999 becomes 1.0 in bfloat16): "
+        "optax.inject_hyperparams casts hyperparameters to the parameters' dtype unless given "
+        "hyperparam_dtype=jnp.float32; rudax.optim.inject_hyperparams keeps them in float32"
+    )
 
 
 def check_non_negative(name: str, value: Any, *, accept: Accept = "traced") -> float | None:
@@ -170,14 +184,26 @@ def float_dtype(
     return dt
 
 
-def check_floating_leaves(what: str, tree: Any) -> list[Any]:
-    """The leaves of tree; a TypeError naming, by its path, the first not floating."""
+def check_floating_leaves(what: str, tree: Any, *, allow_complex: bool = False) -> list[Any]:
+    """The leaves of tree; a TypeError naming, by its path, the first not floating.
+
+    With ``allow_complex``, complex leaves pass too (the optimizers that follow torch's
+    real-view rule for complex parameters).
+    """
+    kinds = (jax.numpy.floating, jax.numpy.complexfloating) if allow_complex else ()
     leaves = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         dtype = jax.numpy.result_type(leaf)
+        if allow_complex and any(jax.numpy.issubdtype(dtype, k) for k in kinds):
+            leaves.append(leaf)
+            continue
         if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+            expected = "a floating or complex dtype" if allow_complex else "a floating dtype"
+            hint = ""
+            if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+                hint = " (complex parameters are not supported here)"
             raise TypeError(
-                f"{what} {jax.tree_util.keystr(path)} must have a floating dtype, got dtype={dtype}"
+                f"{what} {jax.tree_util.keystr(path)} must have {expected}, got dtype={dtype}{hint}"
             )
         leaves.append(leaf)
     return leaves

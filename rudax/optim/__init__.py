@@ -21,6 +21,7 @@ from rudax.optim._clipping import clip_by_global_norm as clip_by_global_norm
 from rudax.optim._clipping import clip_per_parameter as clip_per_parameter
 from rudax.optim._fused_adamw import FusedAdamWState as FusedAdamWState
 from rudax.optim._fused_adamw import fused_adamw as fused_adamw
+from rudax.optim._inject import inject_hyperparams as inject_hyperparams
 from rudax.optim._lbfgs import ScaleByLBFGSState as ScaleByLBFGSState
 from rudax.optim._lbfgs import lbfgs as lbfgs
 from rudax.optim._lbfgs import scale_by_lbfgs as scale_by_lbfgs
@@ -68,6 +69,7 @@ __all__ = [
     "exponential_decay",
     "fp32_master",
     "fused_adamw",
+    "inject_hyperparams",
     "join_schedules",
     "lbfgs",
     "linear_schedule",

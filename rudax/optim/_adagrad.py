@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_non_negative
+from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype
-from rudax.optim._torch_chain import torch_chain
+from rudax.optim._torch_chain import DecayMask, torch_chain
 from rudax.optim._validation import check_learning_rate
 
 
@@ -75,6 +76,7 @@ def scale_by_torch_adagrad(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@static_arguments("moment_dtype", "mask")
 def adagrad(
     learning_rate: optax.ScalarOrSchedule,
     lr_decay: float = 0.0,
@@ -83,6 +85,7 @@ def adagrad(
     eps: float = 1e-10,
     *,
     moment_dtype: Any = None,
+    mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Adagrad with torch's rules: ``eps`` outside the root, ``lr_decay``, L2 weight decay.
 
@@ -107,11 +110,15 @@ def adagrad(
       moment_dtype: storage dtype of the sum of squares, e.g. ``jnp.float32`` for bf16
         parameters; None keeps each parameter's dtype. Each update is computed in the wider of
         this and the gradient's dtype and returned in the parameter's dtype.
+      mask: which parameters decay, as in ``optax.add_decayed_weights``: a pytree of bools
+        like the parameters (or a prefix of it), or a callable of the parameters returning
+        one. A False leaf still gets its step, without decay (torch's parameter group with
+        ``weight_decay=0``). None decays all.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(add_decayed_weights,
-      scale_by_torch_adagrad, scale_by_learning_rate)`` (the decay only when ``weight_decay``
-      is non-zero).
+      scale_by_torch_adagrad, scale_by_learning_rate)`` (the decay a no-op when
+      ``weight_decay`` is 0).
 
     Example:
       >>> import jax.numpy as jnp
@@ -137,4 +144,5 @@ def adagrad(
         weight_decay,
         moment_dtype,
         name="adagrad",
+        mask=mask,
     )

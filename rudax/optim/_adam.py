@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
+from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype
-from rudax.optim._torch_chain import torch_chain
+from rudax.optim._torch_chain import DecayMask, torch_chain
 from rudax.optim._validation import check_learning_rate
 
 
@@ -116,6 +117,7 @@ def scale_by_torch_adam(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@static_arguments("amsgrad", "moment_dtype", "mask")
 def adam(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -125,6 +127,7 @@ def adam(
     amsgrad: bool = False,
     *,
     moment_dtype: Any = None,
+    mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Adam with torch's rules: L2-coupled weight decay and torch's amsgrad.
 
@@ -151,10 +154,14 @@ def adam(
       moment_dtype: storage dtype of the moments (and amsgrad's maximum), e.g. ``jnp.float32``
         for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
         wider of this and the gradient's dtype and returned in the parameter's dtype.
+      mask: which parameters decay, as in ``optax.add_decayed_weights``: a pytree of bools
+        like the parameters (or a prefix of it), or a callable of the parameters returning
+        one. A False leaf still gets its step, without decay (torch's parameter group with
+        ``weight_decay=0``). None decays all.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(add_decayed_weights, scale_by_torch_adam,
-      scale_by_learning_rate)`` (the decay only when ``weight_decay`` is non-zero).
+      scale_by_learning_rate)`` (the decay a no-op when ``weight_decay`` is 0).
 
     Example:
       >>> import jax.numpy as jnp
@@ -180,9 +187,11 @@ def adam(
         weight_decay,
         moment_dtype,
         name="adam",
+        mask=mask,
     )
 
 
+@static_arguments("amsgrad", "moment_dtype", "mask")
 def adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -192,6 +201,7 @@ def adamw(
     amsgrad: bool = False,
     *,
     moment_dtype: Any = None,
+    mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """AdamW with torch's rules: decoupled weight decay scaled by the learning rate.
 
@@ -205,8 +215,10 @@ def adamw(
 
     The last line is torch's ``p *= 1 - lr_t * weight_decay`` followed by ``p -= lr_t * u``.
     This is ``torch.optim.AdamW``. ``optax.adamw`` has the same decoupled decay but a default
-    ``weight_decay`` of 1e-4 (torch: 1e-2) and optax's amsgrad (see ``adam``); the decay is not
-    masked here: wrap in ``optax.masked`` to exempt biases and norms.
+    ``weight_decay`` of 1e-4 (torch: 1e-2) and optax's amsgrad (see ``adam``). To exempt biases
+    and norms from the decay, pass ``mask=`` (as to ``optax.adamw``), not ``optax.masked``
+    around the optimizer: that would leave the exempted parameters with no optimizer at all,
+    stepping by their raw gradient.
 
     Args:
       learning_rate: a number >= 0, or a schedule mapping the update count (0 at the first
@@ -219,10 +231,14 @@ def adamw(
       moment_dtype: storage dtype of the moments (and amsgrad's maximum), e.g. ``jnp.float32``
         for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
         wider of this and the gradient's dtype and returned in the parameter's dtype.
+      mask: which parameters decay, as in ``optax.add_decayed_weights``: a pytree of bools
+        like the parameters (or a prefix of it), or a callable of the parameters returning
+        one. A False leaf still gets its step, without decay (torch's parameter group with
+        ``weight_decay=0``). None decays all.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(scale_by_torch_adam, add_decayed_weights,
-      scale_by_learning_rate)`` (the decay only when ``weight_decay`` is non-zero).
+      scale_by_learning_rate)`` (the decay a no-op when ``weight_decay`` is 0).
 
     Example:
       >>> import jax.numpy as jnp
@@ -247,4 +263,5 @@ def adamw(
         moment_dtype,
         name="adamw",
         decoupled=True,
+        mask=mask,
     )

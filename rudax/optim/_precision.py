@@ -31,17 +31,22 @@ import numpy as np
 import optax
 
 from rudax._validation import check_floating_leaves, float_dtype
+from rudax.optim._compat import weakly_typed
 from rudax.optim._validation import check_gradients, check_tree_like
 
 
 def as_weak(value: Any) -> Any:
-    """A concrete scalar as a Python float; a schedule, a tracer or a bool as it is.
+    """A concrete scalar as a Python float; a tracer weakly typed; a schedule or a bool as it is.
 
-    A tracer (a hyperparameter ``optax.inject_hyperparams`` passes inside ``jit``) keeps its
-    type: it is only known when the update runs.
+    A tracer (a hyperparameter ``optax.inject_hyperparams`` passes inside ``jit``) is only
+    known when the update runs; made weakly typed (``weakly_typed``), it enters the arithmetic
+    as the Python float of the plain optimizer would, in each buffer's own dtype.
     """
-    if isinstance(value, bool | jax.core.Tracer) or callable(value):
+    if isinstance(value, bool) or callable(value):
         return value
+    if isinstance(value, jax.core.Tracer):
+        floating = jnp.issubdtype(value.dtype, jnp.floating) and value.ndim == 0
+        return weakly_typed(value) if floating else value
     if isinstance(value, numbers.Real) or (
         isinstance(value, np.ndarray | jax.Array) and np.ndim(value) == 0
     ):
@@ -67,6 +72,16 @@ def compute_dtype(*dtypes: Any) -> jnp.dtype:
         return jnp.dtype(jnp.result_type(*dtypes))
 
 
+def _real_view(z: jax.Array) -> jax.Array:
+    """torch.view_as_real: a complex array as floats with a trailing axis (real, imaginary)."""
+    return jnp.stack([jnp.real(z), jnp.imag(z)], axis=-1)
+
+
+def _as_complex(r: jax.Array) -> jax.Array:
+    """torch.view_as_complex, the inverse of ``_real_view``."""
+    return jax.lax.complex(r[..., 0], r[..., 1])
+
+
 def map_in_compute_dtype(
     fn: Callable[..., tuple],
     updates: Any,
@@ -79,7 +94,9 @@ def map_in_compute_dtype(
     For each leaf, ``fn(g, *b)`` gets the gradient and the buffers (trees like ``updates``)
     cast to the widest of their dtypes and returns ``(u, *new_b)``; each new buffer is cast
     back to its stored dtype, ``u`` stays in the compute dtype (``with_moment_dtype`` casts it
-    to the parameter's dtype once, after the learning rate).
+    to the parameter's dtype once, after the learning rate). A complex leaf is computed on its
+    real view, as torch computes it: ``fn`` sees float arrays with a trailing axis of 2 (real,
+    imaginary parts) and what it returns becomes complex again.
 
     Each buffer is first checked to be like ``updates`` (``check_tree_like``): a ValueError
     names ``owner``, the buffer as ``state.<name>`` (``names`` in the buffers' order), the path
@@ -92,7 +109,14 @@ def map_in_compute_dtype(
     def leaf(g: Any, *stored: jax.Array) -> tuple:
         g = jnp.asarray(g)
         dtype = compute_dtype(g.dtype, *(b.dtype for b in stored))
-        u, *new = fn(g.astype(dtype), *(b.astype(dtype) for b in stored))
+        args = [x.astype(dtype) for x in (g, *stored)]
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            # torch's rule for a complex parameter: the optimizer runs on its real view
+            # (torch.view_as_real), real and imaginary parts as two real numbers. Only the
+            # arithmetic sees the view: the buffers stay complex, like the parameter.
+            u, *new = (_as_complex(r) for r in fn(*(_real_view(x) for x in args)))
+        else:
+            u, *new = fn(*args)
         return u, *(n.astype(b.dtype) for n, b in zip(new, stored, strict=True))
 
     columns = [treedef.flatten_up_to(tree) for tree in (updates, *buffers)]
@@ -100,8 +124,22 @@ def map_in_compute_dtype(
     return tuple(treedef.unflatten([row[i] for row in rows]) for i in range(1 + len(buffers)))
 
 
+def _stored_dtype(param_dtype: Any, stored: jnp.dtype | None) -> jnp.dtype:
+    """A buffer's dtype: ``stored``, made complex for a complex parameter (float32 ->
+    complex64, float64 -> complex128, bf16 and fp16 -> complex64, the narrowest complex)."""
+    if stored is None:
+        return jnp.dtype(param_dtype)
+    if jnp.issubdtype(param_dtype, jnp.complexfloating):
+        return compute_dtype(stored, jnp.complex64)
+    return stored
+
+
 def with_moment_dtype(
-    inner: optax.GradientTransformation, moment_dtype: Any, *, owner: str
+    inner: optax.GradientTransformation,
+    moment_dtype: Any,
+    *,
+    owner: str,
+    allow_complex: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` with its buffers in ``moment_dtype`` and its arithmetic in the wider dtype.
 
@@ -116,33 +154,43 @@ def with_moment_dtype(
       inner: the transformation to run.
       moment_dtype: a floating dtype, or None for each parameter's own dtype.
       owner: the optimizer's name, for the errors.
+      allow_complex: take complex parameters and gradients (torch's real-view rule, see
+        ``map_in_compute_dtype``); a complex buffer has the complex dtype of ``moment_dtype``'s
+        precision. False makes a complex leaf a TypeError naming ``owner`` and its path.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with ``inner``'s state; extra keyword
-      arguments go to ``inner``. A parameter or gradient leaf without a floating dtype is a
-      TypeError naming its path; gradients unlike the parameters (another tree or another
-      shape) are a ValueError naming the path and both shapes (``check_tree_like``).
+      arguments go to ``inner``. A parameter or gradient leaf without a floating (or, if
+      allowed, complex) dtype is a TypeError naming its path; gradients unlike the
+      parameters (another tree or another shape) are a ValueError naming the path and both
+      shapes (``check_tree_like``).
     """
     float_dtype("moment_dtype", moment_dtype, none_in_message=True)
     stored = None if moment_dtype is None else jnp.dtype(moment_dtype)
     inner = optax.with_extra_args_support(inner)
 
+    check = lambda what, tree: check_floating_leaves(
+        f"{owner}: {what}", tree, allow_complex=allow_complex
+    )
+
     def init_fn(params: Any) -> Any:
-        check_floating_leaves("parameter", params)
+        check("parameter", params)
         if stored is not None:
-            params = jax.tree.map(lambda p: jnp.asarray(p).astype(stored), params)
+            params = jax.tree.map(
+                lambda p: jnp.asarray(p).astype(_stored_dtype(jnp.result_type(p), stored)), params
+            )
         return inner.init(params)
 
     def update_fn(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
-        check_floating_leaves("gradient", updates)
+        check("gradient", updates)
         if params is not None:
-            check_floating_leaves("parameter", params)
+            check("parameter", params)
             check_gradients(owner, updates, params)
         out_dtypes = jax.tree.map(jnp.result_type, updates if params is None else params)
         dtypes = jax.tree.map(
-            lambda g, out: compute_dtype(jnp.result_type(g), out if stored is None else stored),
+            lambda g, out: compute_dtype(jnp.result_type(g), _stored_dtype(out, stored)),
             updates,
             out_dtypes,
         )

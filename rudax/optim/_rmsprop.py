@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
+from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype
 from rudax.optim._sgd import scale_by_torch_momentum
-from rudax.optim._torch_chain import static_nonzero, torch_chain
+from rudax.optim._torch_chain import DecayMask, torch_chain
 from rudax.optim._validation import check_learning_rate
 
 
@@ -86,6 +87,7 @@ def scale_by_torch_rms(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@static_arguments("centered", "moment_dtype", "mask")
 def rmsprop(
     learning_rate: optax.ScalarOrSchedule,
     alpha: float = 0.99,
@@ -95,6 +97,7 @@ def rmsprop(
     centered: bool = False,
     *,
     moment_dtype: Any = None,
+    mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """RMSprop with torch's rules: ``eps`` outside the root, momentum before the learning rate.
 
@@ -124,11 +127,15 @@ def rmsprop(
       moment_dtype: storage dtype of the averages and the momentum buffer, e.g. ``jnp.float32``
         for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
         wider of this and the gradient's dtype and returned in the parameter's dtype.
+      mask: which parameters decay, as in ``optax.add_decayed_weights``: a pytree of bools
+        like the parameters (or a prefix of it), or a callable of the parameters returning
+        one. A False leaf still gets its step, without decay (torch's parameter group with
+        ``weight_decay=0``). None decays all.
 
     Returns:
       An ``optax.GradientTransformation``: ``chain(add_decayed_weights, scale_by_torch_rms,
-      scale_by_torch_momentum, scale_by_learning_rate)``, each of the decay and the momentum
-      only when its coefficient is non-zero.
+      scale_by_torch_momentum, scale_by_learning_rate)``; a coefficient equal to 0 makes its
+      transform a no-op (no momentum buffer without momentum).
 
     Example:
       >>> import jax.numpy as jnp
@@ -152,11 +159,11 @@ def rmsprop(
     check_in_range("momentum", momentum, 0.0, 1.0)
     # torch's momentum buffer starts at 0 and adds g / avg: its first value is g / avg, as
     # SGD's buffer (without dampening) starts at its first input, so SGD's transform is reused.
-    momentum_buffer = [scale_by_torch_momentum(momentum)] if static_nonzero(momentum) else []
     return torch_chain(
-        [scale_by_torch_rms(alpha, eps, centered), *momentum_buffer],
+        [scale_by_torch_rms(alpha, eps, centered), scale_by_torch_momentum(momentum)],
         learning_rate,
         weight_decay,
         moment_dtype,
         name="rmsprop",
+        mask=mask,
     )

@@ -2,20 +2,31 @@
 
 torch's SGD, Adam, Adagrad and RMSprop add ``weight_decay * p`` to the gradient before their
 buffers see it (L2); AdamW and Muon shrink the parameters after the direction is computed
-(decoupled). Both are ``optax.add_decayed_weights`` placed on one side of the direction or the
+(decoupled). Both are ``add_decayed_weights`` placed on one side of the direction or the
 other, followed by the learning rate: ``torch_chain`` builds that chain once for all of them,
 under the moment-dtype rule of ``rudax/optim/_precision.py``.
+
+The chain has the same transforms, and so the same state structure, whatever the values of
+its hyperparameters: ``optax.inject_hyperparams`` builds the optimizer once with concrete
+arrays (init) and once with tracers (update), and the plain and the injected optimizer must
+have one state layout. A term whose coefficient is known to be 0 costs nothing: its transform
+stays in the chain and skips its arithmetic.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
 from rudax.optim._precision import as_weak, scale_by_learning_rate, with_moment_dtype
+
+# What ``mask=`` takes: optax's meaning (``optax.add_decayed_weights``, ``optax.masked``).
+DecayMask = Any | Callable[[Any], Any] | None
 
 
 def static_nonzero(value: Any) -> bool:
@@ -28,6 +39,83 @@ def static_nonzero(value: Any) -> bool:
     return not (isinstance(value, numbers.Real) and value == 0)
 
 
+def known_zero(value: Any) -> bool:
+    """True for a number or a concrete (not traced) scalar array equal to 0.
+
+    What an ``init`` may ask of a hyperparameter: ``optax.inject_hyperparams`` calls the
+    factory with concrete arrays there, so a momentum injected as 0 is known to be 0 at init
+    and the state can go without its buffer.
+    """
+    if isinstance(value, jax.core.Tracer) or callable(value):
+        return False
+    if isinstance(value, numbers.Real):
+        return value == 0
+    return np.ndim(value) == 0 and bool(np.asarray(value) == 0)
+
+
+def _check_mask_leaf(owner: str, path: Any, keep: Any) -> bool:
+    if not isinstance(keep, bool | np.bool_):
+        raise TypeError(
+            f"{owner}: mask{jax.tree_util.keystr(path)} must be a Python bool (True: decay this "
+            f"parameter), got {keep!r}"
+        )
+    return bool(keep)
+
+
+def add_decayed_weights(
+    weight_decay: Any, mask: DecayMask = None, *, owner: str
+) -> optax.GradientTransformation:
+    """``u + weight_decay * p`` on the parameters ``mask`` selects; ``u`` elsewhere.
+
+    ``mask`` has optax's meaning: None decays every parameter; otherwise a pytree of bools
+    with the parameters' structure or a prefix of it (a bool covers its whole subtree), or a
+    callable that returns one given the parameters. Masked-out leaves pass through unchanged,
+    which is torch's parameter group with ``weight_decay=0``. Unlike ``optax.masked`` around a
+    whole optimizer, only the decay is masked: the leaves still get the optimizer's step.
+
+    The state is ``optax.EmptyState()`` with or without a mask and whatever the coefficient,
+    and a coefficient that is a number equal to 0 skips the arithmetic.
+
+    Args:
+      weight_decay: the coefficient; a number, an array or a tracer.
+      mask: None, a pytree of bools or a callable of the parameters.
+      owner: the optimizer's name, for the errors.
+
+    Returns:
+      An ``optax.GradientTransformation`` that needs ``params`` when it decays.
+    """
+    if mask is not None and not callable(mask):
+        # Checked at construction too, so a typo fails before any data is loaded.
+        for path, keep in jax.tree_util.tree_flatten_with_path(mask)[0]:
+            _check_mask_leaf(owner, path, keep)
+    weight_decay = as_weak(weight_decay)
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if not static_nonzero(weight_decay):
+            return updates, state
+        if params is None:
+            raise ValueError(
+                f"{owner}: weight decay needs the parameters: call update(grads, state, params)"
+            )
+        decay = lambda u, p: u + weight_decay * p
+        if mask is None:
+            return jax.tree.map(decay, updates, params), state
+        tree = mask(params) if callable(mask) else mask
+        try:
+            jax.tree.structure(tree).flatten_up_to(updates)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{owner}: mask must have the parameters' tree structure or a prefix of it "
+                f"(a pytree of bools, or a callable of params returning one): {e}"
+            ) from None
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        keeps = treedef.unflatten([_check_mask_leaf(owner, path, k) for path, k in flat])
+        masked = lambda keep, u, p: jax.tree.map(decay, u, p) if keep else u
+        return jax.tree.map(masked, keeps, updates, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def torch_chain(
     direction: Sequence[optax.GradientTransformation],
     learning_rate: optax.ScalarOrSchedule,
@@ -36,6 +124,8 @@ def torch_chain(
     *,
     name: str,
     decoupled: bool = False,
+    mask: DecayMask = None,
+    allow_complex: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Chains a direction with torch's weight decay and the learning rate.
 
@@ -45,8 +135,9 @@ def torch_chain(
         chain(*direction, add_decayed_weights, scale_by_learning_rate)   (decoupled)
 
     so the decoupled update is ``p - lr_t * (u + weight_decay * p)``, torch's
-    ``p *= 1 - lr_t * weight_decay`` followed by ``p -= lr_t * u``. The decay is left out when
-    ``weight_decay`` is a number equal to 0. The caller validates the hyperparameters.
+    ``p *= 1 - lr_t * weight_decay`` followed by ``p -= lr_t * u``. The decay is a no-op when
+    ``weight_decay`` is a number equal to 0, and spares the leaves ``mask`` leaves out. The
+    caller validates the hyperparameters.
 
     Args:
       direction: the transforms that turn gradients into the unscaled step.
@@ -55,14 +146,17 @@ def torch_chain(
       moment_dtype: the buffers' storage dtype, or None (see ``with_moment_dtype``).
       name: the optimizer's name, for the errors (``with_moment_dtype``'s ``owner``).
       decoupled: place the decay after the direction instead of before it.
+      mask: which parameters decay (see ``add_decayed_weights``).
+      allow_complex: whether complex parameters are taken (see ``with_moment_dtype``).
 
     Returns:
       The chain, wrapped in ``with_moment_dtype``.
     """
-    decay = (
-        [optax.add_decayed_weights(as_weak(weight_decay))] if static_nonzero(weight_decay) else []
-    )
+    decay = [add_decayed_weights(weight_decay, mask, owner=name)]
     transforms = [*direction, *decay] if decoupled else [*decay, *direction]
     return with_moment_dtype(
-        optax.chain(*transforms, scale_by_learning_rate(learning_rate)), moment_dtype, owner=name
+        optax.chain(*transforms, scale_by_learning_rate(learning_rate)),
+        moment_dtype,
+        owner=name,
+        allow_complex=allow_complex,
     )

@@ -171,9 +171,9 @@ def test_count_saturates_instead_of_overflowing():
     tx = ro.adam(0.1)
     state = tx.init(p)
     top = jnp.iinfo(jnp.int32).max
-    state = (state[0]._replace(count=jnp.asarray(top, jnp.int32)), *state[1:])
+    state = optax.tree_utils.tree_set(state, count=jnp.asarray(top, jnp.int32))
     updates, state = jax.jit(tx.update)({"w": jnp.ones((3,), jnp.float32)}, state, p)
-    assert int(state[0].count) == top
+    assert int(optax.tree_utils.tree_get(state, "count")) == top
     # Both bias corrections are 1 at this count: u = m / (sqrt(v) + eps).
     m, v = 0.1, 0.001
     np.testing.assert_allclose(updates["w"], -0.1 * m / (math.sqrt(v) + 1e-8), rtol=1e-5)
