@@ -1,9 +1,10 @@
-"""What a run leaves behind: ``metrics.jsonl`` (one JSON object per row) and ``loss.png``.
+"""What a run leaves behind: ``metrics.jsonl`` (one JSON object per row), ``loss.png`` and,
+with ``--tensorboard``, the same scalars as TensorBoard event files.
 
 Rows carry a ``kind``: ``"train"`` (logged updates: loss, learning rate, gradient norm,
 tokens/s), ``"eval"`` (validation loss) and ``"end"`` (the summary). A resumed run first drops
 the rows past its checkpoint (the interrupted session logged them, the resumed one logs them
-again), so the file reads as one run.
+again), so the file reads as one run; its event files hide the same rows from TensorBoard.
 """
 
 from __future__ import annotations
@@ -16,30 +17,80 @@ from typing import Any
 
 
 class MetricsLog:
-    """Appends rows to ``metrics.jsonl``, each flushed at once so a crash loses none.
+    """Appends rows to ``metrics.jsonl``, each flushed at once so a crash loses none; with
+    ``tensorboard``, writes each row's numbers as TensorBoard scalars too.
+
+    One ``write`` feeds both, so the two cannot disagree. In TensorBoard a ``train`` row's
+    ``key`` is the tag ``train/<key>`` (``train/loss``, ``train/lr``, ``train/grad_norm``,
+    ``train/tokens``, ``train/tokens_per_s``, ...), an ``eval`` row's ``val_<key>`` is
+    ``val/<key>`` (``val/loss``), each at the row's step; a None (no tokens/s measured yet) is
+    no point. The ``end`` row repeats the last train and eval rows' values, which TensorBoard
+    already shows, and is not written there. Event files store float32.
 
     Args:
       path: the file; created if missing.
       resume_step: if given, rows of kind train/eval with ``step > resume_step`` and every
         ``end`` row are dropped first (the session being resumed logged them after its last
-        checkpoint).
+        checkpoint). Event files are append-only: this session's new one starts with a
+        record that makes TensorBoard hide the earlier files' points past ``resume_step``
+        (tensorboardX's ``purge_step``), the same rows.
+      tensorboard: the folder of the event files, created if missing; None writes none (and
+        does not import tensorboardX).
     """
 
-    def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        resume_step: int | None = None,
+        tensorboard: str | os.PathLike | None = None,
+    ):
         self.path = Path(path)
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_rows(self.path) if _kept(r, resume_step)]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
+        self._events: Any = None
+        if tensorboard is not None:
+            # Here, not at the top: importing tensorboardX imports torch where it is
+            # installed, seconds of start-up a run without --tensorboard need not pay.
+            from tensorboardX import SummaryWriter
+
+            purge = None if resume_step is None else resume_step + 1
+            self._events = SummaryWriter(str(tensorboard), purge_step=purge)
         self._file = open(self.path, "a")  # closed by close()
 
     def write(self, **row: Any) -> None:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        if self._events is not None:
+            for tag, value in _scalars(row).items():
+                self._events.add_scalar(tag, value, global_step=row["step"])
+            if row["kind"] == "eval":
+                # tensorboardX writes from a queue, to disk every 2 minutes: flush at each
+                # evaluation too (a few per run), not on every update.
+                self._events.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._events is not None:
+            self._events.close()  # flushes the queue: a halted run's last rows are kept
+
+
+_SECTIONS = {"train": ("train", ""), "eval": ("val", "val_")}  # kind: (tag prefix, key prefix)
+
+
+def _scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The TensorBoard scalars of one row, tag: value (see ``MetricsLog``)."""
+    if row["kind"] == "end":
+        return {}
+    section, prefix = _SECTIONS[row["kind"]]
+    return {
+        f"{section}/{key.removeprefix(prefix)}": float(value)
+        for key, value in row.items()
+        if key not in ("kind", "step") and value is not None
+    }
 
 
 def _kept(row: dict[str, Any], step: int) -> bool:
