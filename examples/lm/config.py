@@ -177,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--log-every", type=positive_int, default=1, help="updates per metrics row")
     run.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write metrics.jsonl's scalars as TensorBoard event files into the run's "
+        "tensorboard/ folder (needs tensorboardX; a resumed session writes them if given again)",
+    )
+    run.add_argument(
         "--eval-every", type=positive_int, default=50, help="updates between validation losses"
     )
     run.add_argument(

@@ -6,14 +6,16 @@
     python -m examples.lm.train --name a --stop-at 100   # ... later:
     python -m examples.lm.train --name a --resume        # continues to --steps, bit for bit
     python -m examples.lm.train --name a --resume --resume-step 50   # from an earlier checkpoint
+    python -m examples.lm.train --tensorboard            # then: tensorboard --logdir runs
 
 With no flags it tokenizes the Python standard library's own sources into ``data/lm`` (once:
 a BPE trained locally, nothing downloaded), trains a 4-layer GPT on them with bf16 weights,
 fp32 master weights, Muon on the blocks' matrices and AdamW on the rest, warmup + cosine and
 global-norm clipping, evaluates the validation loss every ``--eval-every`` updates,
 checkpoints every ``--checkpoint-every``, and leaves in ``runs/<timestamp>/``:
-``config.json``, ``checkpoints/``, ``metrics.jsonl`` and ``loss.png``. ``--help`` lists every
-flag.
+``config.json``, ``checkpoints/``, ``metrics.jsonl`` and ``loss.png``; with ``--tensorboard``
+also ``tensorboard/``, metrics.jsonl's scalars as event files (``train/loss``, ``val/loss``,
+``train/lr``, ...; written with tensorboardX, no TensorFlow). ``--help`` lists every flag.
 
 A run never trains on, or saves, what is broken (``examples/lm/guard.py``): shards are checked
 against their recorded SHA-256 and the vocabulary when opened; the first non-finite training
@@ -82,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       argv: the command line without the program name; None reads ``sys.argv``.
 
     Returns:
-      A summary: ``run_dir``, ``metrics``, ``plot`` (paths), ``step`` (the last update),
+      A summary: ``run_dir``, ``metrics``, ``plot``, ``tensorboard`` (paths; the last None
+      without ``--tensorboard``), ``step`` (the last update),
       ``loss``/``val_loss`` (the last train and validation losses), ``tokens_per_s``, and
       ``compilations`` (how often each jitted step compiled); with ``--profile``, only
       ``profile``, the table printed.
@@ -114,6 +117,8 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             "another --name/--run-dir"
         )
     cfg.check(args)
+    if args.tensorboard:
+        _check_tensorboard()  # now, not when the first metrics row is written
     run_config = cfg.run_config(args)
     stop = args.stop_at or args.steps
     if args.resume:
@@ -237,7 +242,10 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     skips = guard.SkipWatch(args.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
 
     # --------------------------------------------------------------------------- loop
-    log = MetricsLog(run_dir / "metrics.jsonl", resume_step=step if args.resume else None)
+    events = run_dir / "tensorboard" if args.tensorboard else None
+    log = MetricsLog(
+        run_dir / "metrics.jsonl", resume_step=step if args.resume else None, tensorboard=events
+    )
     tokens_per_update = args.batch_size * args.seq_len * args.grad_accum
     where = f" over mesh {cfg.mesh_text(args.mesh)}" if mesh is not None else ""
     print(
@@ -311,7 +319,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                 paused = True
             if paused:  # evaluation and checkpoint time are not training throughput
                 clock, clock_tokens = time.perf_counter(), tokens
-    except TrainingHalted:
+    except BaseException:  # a halt, an interrupt: what was logged reaches the disk
         log.close()
         raise
     finally:
@@ -342,10 +350,13 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
     )
     print(f"metrics: {log.path}\nloss curve: {plot}\ncheckpoints: {checkpointer.directory}")
+    if events is not None:
+        print(f"tensorboard: {events} (view with: tensorboard --logdir {events})")
     return {
         "run_dir": str(run_dir),
         "metrics": str(log.path),
         "plot": str(plot),
+        "tensorboard": None if events is None else str(events),
         "step": step,
         **last,
         "compilations": {
@@ -366,6 +377,18 @@ def create_model(config: GPTConfig, seed: int) -> GPT:
 
 def _show(x: float | None, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def _check_tensorboard() -> None:
+    """--tensorboard: UsageError if tensorboardX does not import, before any work is done."""
+    try:
+        import tensorboardX  # noqa: F401  (only with the flag: it imports torch, if installed)
+    except ImportError as e:
+        raise UsageError(
+            f"--tensorboard writes its event files with tensorboardX, which does not import "
+            f"here ({e}): pip install tensorboardX (it is in rudax's examples extra), or "
+            "drop --tensorboard"
+        ) from e
 
 
 def _run_dir(args: Any) -> Path:
