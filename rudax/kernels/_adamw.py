@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.typing import ArrayLike
 
 from rudax._validation import STORAGE_DTYPES, check_power_of_two_fields
 from rudax.kernels import _compat
@@ -62,29 +63,49 @@ class AdamWBlock:
 # --- the operands' checks -----------------------------------------------------------------
 
 
-def check_arrays(param, grad, exp_avg, exp_avg_sq, master, where: str = "") -> None:
-    named = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+# param, grad, exp_avg, exp_avg_sq as arrays, then the master or None.
+Operands = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]
+
+
+def as_operands(
+    param: ArrayLike,
+    grad: ArrayLike,
+    exp_avg: ArrayLike,
+    exp_avg_sq: ArrayLike,
+    master: ArrayLike | None,
+    where: str = "",
+) -> Operands:
+    """The operands as arrays, checked; each error names the operand (after ``where``)."""
+    given = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    for name, x in given.items():
+        if x is None:  # only the master may be absent
+            raise TypeError(f"{where}{name} must be an array, got {name}=None")
+    named = {name: jnp.asarray(x) for name, x in given.items()}
     if master is not None:
-        named["master"] = master
+        named["master"] = jnp.asarray(master)
+    shape = named["param"].shape
     for name, x in named.items():
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{where}{name} must have a floating dtype, got {name}.dtype={x.dtype}")
-        if x.shape != param.shape:
+        if x.shape != shape:
             raise ValueError(
-                f"{where}{name} must have param's shape {param.shape}, got {name}.shape={x.shape}"
+                f"{where}{name} must have param's shape {shape}, got {name}.shape={x.shape}"
             )
-    if param.dtype not in STORAGE_DTYPES:
-        raise TypeError(
-            f"{where}param must be bfloat16, float16 or float32, got param.dtype={param.dtype}"
-        )
-    for name in ("exp_avg", "exp_avg_sq"):
+    for name in ("param", "exp_avg", "exp_avg_sq"):
         if named[name].dtype not in STORAGE_DTYPES:
             raise TypeError(
                 f"{where}{name} must be bfloat16, float16 or float32, got "
                 f"{name}.dtype={named[name].dtype}"
             )
-    if master is not None and master.dtype != jnp.float32:
-        raise TypeError(f"{where}master must be float32, got master.dtype={master.dtype}")
+    if "master" in named and named["master"].dtype != jnp.float32:
+        raise TypeError(f"{where}master must be float32, got master.dtype={named['master'].dtype}")
+    return (
+        named["param"],
+        named["grad"],
+        named["exp_avg"],
+        named["exp_avg_sq"],
+        named.get("master"),
+    )
 
 
 # --- Pallas kernels -------------------------------------------------------------------------
@@ -114,7 +135,7 @@ def _update_kernel(
     _compat.store(update_ref, update, mask=mask)
     _compat.store(m_out_ref, m.astype(m_out_ref.dtype), mask=mask)
     _compat.store(v_out_ref, v.astype(v_out_ref.dtype), mask=mask)
-    if has_master:
+    if new_master is not None:  # exactly when has_master
         _compat.store(w_out_ref, new_master, mask=mask)
 
 
@@ -136,7 +157,7 @@ def _update_reference(scalars, param, grad, exp_avg, exp_avg_sq, master, **flags
 )
 def update_leaf(
     scalars, param, grad, exp_avg, exp_avg_sq, master, *, impl, interpret, block, **flags
-):
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """One leaf's step on the resolved path, from ``prepare_step``'s scalars and arguments."""
     shape, n = param.shape, param.size
     if impl == "xla" or n == 0:
@@ -212,19 +233,19 @@ def prepare_step(
 
 
 def adamw_update(
-    param: jax.Array,
-    grad: jax.Array,
-    exp_avg: jax.Array,
-    exp_avg_sq: jax.Array,
-    master: jax.Array | None = None,
+    param: ArrayLike,
+    grad: ArrayLike,
+    exp_avg: ArrayLike,
+    exp_avg_sq: ArrayLike,
+    master: ArrayLike | None = None,
     *,
-    count: int | jax.Array,
-    learning_rate: float | jax.Array,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    grad_scale: float | jax.Array | None = None,
+    count: ArrayLike,
+    learning_rate: ArrayLike,
+    b1: ArrayLike = 0.9,
+    b2: ArrayLike = 0.999,
+    eps: ArrayLike = 1e-8,
+    weight_decay: ArrayLike = 1e-2,
+    grad_scale: ArrayLike | None = None,
     impl: str = "auto",
     interpret: bool = False,
     block: AdamWBlock | None = None,
@@ -289,37 +310,33 @@ def adamw_update(
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019; PyTorch, ``torch.optim.AdamW``.
     """
-    arrays = [None if x is None else jnp.asarray(x) for x in (param, grad, exp_avg, exp_avg_sq)]
-    master = None if master is None else jnp.asarray(master)
-    check_arrays(*arrays, master)
+    operands = as_operands(param, grad, exp_avg, exp_avg_sq, master)
     hyper = (count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
     scalars, static = prepare_step(*hyper, None, impl=impl, interpret=interpret, block=block)
-    return update_leaf(scalars, *arrays, master, **static)
+    return update_leaf(scalars, *operands, **static)
 
 
 def adamw_update_reference(
-    param: jax.Array,
-    grad: jax.Array,
-    exp_avg: jax.Array,
-    exp_avg_sq: jax.Array,
-    master: jax.Array | None = None,
+    param: ArrayLike,
+    grad: ArrayLike,
+    exp_avg: ArrayLike,
+    exp_avg_sq: ArrayLike,
+    master: ArrayLike | None = None,
     *,
-    count: int | jax.Array,
-    learning_rate: float | jax.Array,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    grad_scale: float | jax.Array | None = None,
+    count: ArrayLike,
+    learning_rate: ArrayLike,
+    b1: ArrayLike = 0.9,
+    b2: ArrayLike = 0.999,
+    eps: ArrayLike = 1e-8,
+    weight_decay: ArrayLike = 1e-2,
+    grad_scale: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """``adamw_update`` in plain jnp on whole arrays: its XLA path (see it for the rule).
 
     Returns:
       ``(update, exp_avg, exp_avg_sq, master)`` as ``adamw_update``.
     """
-    arrays = [jnp.asarray(x) for x in (param, grad, exp_avg, exp_avg_sq)]
-    master = None if master is None else jnp.asarray(master)
-    check_arrays(*arrays, master)
+    operands = as_operands(param, grad, exp_avg, exp_avg_sq, master)
     check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
     scalars = step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale, None)
-    return _update_reference(scalars, *arrays, master, **_flags(grad_scale, weight_decay, None))
+    return _update_reference(scalars, *operands, **_flags(grad_scale, weight_decay, None))

@@ -16,25 +16,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from rudax.kernels._adamw import AdamWBlock, check_arrays, prepare_step, update_leaf
+from rudax.kernels._adamw import AdamWBlock, as_operands, prepare_step, update_leaf
 
 
 def adamw_update_leaves(
-    params: Sequence[jax.Array],
-    grads: Sequence[jax.Array],
-    exp_avgs: Sequence[jax.Array],
-    exp_avg_sqs: Sequence[jax.Array],
-    masters: Sequence[jax.Array | None],
+    params: Sequence[ArrayLike],
+    grads: Sequence[ArrayLike],
+    exp_avgs: Sequence[ArrayLike],
+    exp_avg_sqs: Sequence[ArrayLike],
+    masters: Sequence[ArrayLike | None],
     *,
-    count: int | jax.Array,
-    learning_rate: float | jax.Array,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    grad_scale: float | jax.Array | None = None,
+    count: ArrayLike,
+    learning_rate: ArrayLike,
+    b1: ArrayLike = 0.9,
+    b2: ArrayLike = 0.999,
+    eps: ArrayLike = 1e-8,
+    weight_decay: ArrayLike = 1e-2,
+    grad_scale: ArrayLike | None = None,
     skip: bool | jax.Array | None = None,
     impl: str = "auto",
     interpret: bool = False,
@@ -93,12 +93,16 @@ def adamw_update_leaves(
             "params, grads, exp_avgs, exp_avg_sqs and masters must have one entry per leaf, "
             f"got lengths {tuple(len(x) for x in sequences)}"
         )
-    leaves = []
-    for i, arrays in enumerate(zip(*sequences, strict=True)):
-        arrays = [None if x is None else jnp.asarray(x) for x in arrays]
-        check_arrays(*arrays, where=f"leaf {i}: " if len(params) > 1 else "")
-        leaves.append(arrays)
+    leaves = [
+        as_operands(*arrays, where=f"leaf {i}: " if len(params) > 1 else "")
+        for i, arrays in enumerate(zip(*sequences, strict=True))
+    ]
     hyper = (count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
     scalars, static = prepare_step(*hyper, skip, impl=impl, interpret=interpret, block=block)
-    outs = [update_leaf(scalars, *arrays, **static) for arrays in leaves]
-    return tuple([o[i] for o in outs] for i in range(4))
+    outs = [update_leaf(scalars, *operands, **static) for operands in leaves]
+    return (
+        [o[0] for o in outs],
+        [o[1] for o in outs],
+        [o[2] for o in outs],
+        [o[3] for o in outs],
+    )

@@ -14,6 +14,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -39,18 +40,19 @@ SCALARS = (
 NUM_SCALARS = pl.next_power_of_2(len(SCALARS))
 
 
-def _check_count(count: Any) -> None:
+def _check_count(count: object) -> None:
     """A 1-based step: an integer scalar >= 1 (a Python int or an integer array); tracers pass."""
     if isinstance(count, jax.core.Tracer):
         return
-    if isinstance(count, bool) or not (
-        isinstance(count, numbers.Integral)
-        or (isinstance(count, np.ndarray | jax.Array) and jnp.issubdtype(count.dtype, jnp.integer))
-    ):
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+        step = int(count)
+    elif isinstance(count, np.ndarray | jax.Array) and jnp.issubdtype(count.dtype, jnp.integer):
+        if count.ndim != 0:
+            raise TypeError(f"count must be a scalar, got shape {count.shape}: {count=}")
+        step = int(count)
+    else:
         raise TypeError(f"count must be an integer (the 1-based step), got {count=}")
-    if np.ndim(count) != 0:
-        raise TypeError(f"count must be a scalar, got shape {np.shape(count)}: {count=}")
-    if int(count) < 1:
+    if step < 1:
         raise ValueError(f"count must be >= 1 (the 1-based step), got {count=}")
 
 
@@ -162,9 +164,10 @@ def adamw_step(
     parameter the caller holds; a skipped step still returns the master it was given.
     """
     apply = s["skip"] == 0.0  # used only when skippable
-    master_in = master
-    if master is not None:
-        master = adopt_replaced(master, param, rounding=rounding)
+    if master is None:
+        weight = param.astype(jnp.float32)
+    else:
+        weight = adopt_replaced(master, param, rounding=rounding)
     g = grad * s["grad_scale"] if scaled else grad
     m = s["b1"] * exp_avg + s["one_minus_b1"] * g
     v = s["b2"] * exp_avg_sq + s["one_minus_b2"] * g * g
@@ -175,16 +178,17 @@ def adamw_step(
         m = jnp.where(apply, m, exp_avg)
         v = jnp.where(apply, v, exp_avg_sq)
     u = (m * s["inv_bc1"]) / (jnp.sqrt(v) * s["inv_bc2_sqrt"] + s["eps"])
-    weight = param.astype(jnp.float32) if master is None else master
     if decay:
         u = u + s["weight_decay"] * weight
     step = s["neg_lr"] * u
+    new_master: jax.Array | None = None
     if master is None:
-        update, new_master = step.astype(param.dtype), None
+        update = step.astype(param.dtype)
     else:
-        update, new_master = storage_update(master, param, step, rounding=rounding)
+        # ``weight`` is the adopted master; a skipped step returns the one it was given.
+        update, new_master = storage_update(weight, param, step, rounding=rounding)
+        if skippable:
+            new_master = jnp.where(apply, new_master, master)
     if skippable:
         update = jnp.where(apply, update, jnp.asarray(-0.0, update.dtype))
-        if master is not None:
-            new_master = jnp.where(apply, new_master, master_in)
     return update, m, v, new_master

@@ -37,13 +37,16 @@ import contextlib
 import contextvars
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any, Literal, overload
 
 import jax
 from jax.experimental import pallas as pl
+from jax.typing import ArrayLike
 
 from rudax._validation import check_bool, check_impl
 
+_triton: ModuleType | None
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     try:
@@ -117,8 +120,10 @@ def resolve_impl(impl: str, *, interpret: bool = False) -> Literal["pallas", "xl
     on_gpu = _backend() == "gpu"
     if impl == "auto":
         return "pallas" if on_gpu and gpu_lowering_available() else "xla"
-    if impl == "xla" or interpret:
-        return impl
+    if impl == "xla":
+        return "xla"
+    if interpret:
+        return "pallas"
     if not on_gpu:
         raise ValueError(
             f"impl='pallas' compiles for a GPU, but the default backend is "
@@ -193,10 +198,10 @@ def _typed_like(out_shape: Any, args: tuple) -> Any:
     as their inputs do. Outside ``shard_map`` the structs are left as they are.
     """
     mats = [getattr(jax.typeof(a), "mat", None) for a in jax.tree.leaves(args)]
-    mats = [m for m in mats if m is not None and getattr(m, "varying", None)]
-    if not mats:
+    varying = [m for m in mats if m is not None and getattr(m, "varying", None)]
+    if not varying:
         return out_shape
-    mat = max(mats, key=lambda m: len(m.varying))
+    mat = max(varying, key=lambda m: len(m.varying))
     return jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape
     )
@@ -226,7 +231,7 @@ def store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
     ref[...] = value if mask is None else jax.numpy.where(mask, value, ref[...])
 
 
-def varying_axes(x: Any) -> frozenset:
+def varying_axes(x: ArrayLike) -> frozenset[Any]:
     """The mesh axes ``x`` varies over inside ``shard_map``; empty outside it or without
     ``check_vma``. jax 0.10 keeps the set in ``aval.mat.varying``, earlier releases in
     ``aval.vma``. Public as ``rudax.sharding.varying_axes``.
@@ -235,7 +240,7 @@ def varying_axes(x: Any) -> frozenset:
       x: an array or tracer.
 
     Returns:
-      A frozenset of mesh axis names.
+      A frozenset of mesh axis names (any hashables, as ``jax.sharding.Mesh`` takes them).
 
     Example:
       >>> import jax.numpy as jnp
@@ -250,7 +255,11 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def vary_like(value: Any, *others: Any) -> Any:
+@overload
+def vary_like(value: None, *others: ArrayLike) -> None: ...
+@overload
+def vary_like(value: jax.Array, *others: ArrayLike) -> jax.Array: ...
+def vary_like(value: jax.Array | None, *others: ArrayLike) -> jax.Array | None:
     """``value`` made to vary over every mesh axis that one of ``others`` varies over.
 
     A custom_vjp's backward must return each cotangent with its primal's type. Inside

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -130,12 +130,12 @@ def _global_norm_and_finite(leaves, *, hierarchical, impl, interpret, block):
     return jnp.sqrt(squares), probe == 0.0
 
 
-def _floating_leaves(grads: Any) -> list[jax.Array]:
+def _floating_leaves(grads: chex.ArrayTree) -> list[jax.Array]:
     return check_floating_leaves("gradient", jax.tree.map(jnp.asarray, grads))
 
 
 def global_norm_and_finite(
-    grads: Any,
+    grads: chex.ArrayTree,
     *,
     hierarchical: bool = False,
     impl: str = "auto",
@@ -190,7 +190,7 @@ def global_norm_and_finite(
     )
 
 
-def global_norm_and_finite_reference(grads: Any) -> tuple[jax.Array, jax.Array]:
+def global_norm_and_finite_reference(grads: chex.ArrayTree) -> tuple[jax.Array, jax.Array]:
     """``global_norm_and_finite`` written plainly: an fp32 sum of squares and ``isfinite``.
 
     Returns:

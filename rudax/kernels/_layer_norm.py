@@ -103,7 +103,9 @@ def _layer_norm_backward(x_RxN, g_RxN, scale, stats, s: _Static):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _layer_norm(x_RxN, scale, bias, s):
+def _layer_norm(
+    x_RxN: jax.Array, scale: jax.Array, bias: jax.Array | None, s: _Static
+) -> jax.Array:
     return _layer_norm_forward(x_RxN, scale, bias, s)[0]
 
 
@@ -125,7 +127,10 @@ _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 @functools.partial(jax.jit, static_argnames=("s",))
 def _layer_norm_jit(x, scale, bias, s):
     scale, bias = _compat.vary_like(scale, x), _compat.vary_like(bias, x)
-    return _layer_norm(_rowwise.to_rows(x), scale, bias, s).reshape(x.shape)
+    y_RxN = _layer_norm(_rowwise.to_rows(x), scale, bias, s)
+    # jax.custom_vjp.__new__ is unannotated (it may build a custom_vjp3), so pyright cannot
+    # solve its return type through functools.partial and calls it `object`; it is an Array.
+    return y_RxN.reshape(x.shape)  # pyright: ignore[reportAttributeAccessIssue]  # see above
 
 
 def layer_norm(

@@ -85,7 +85,7 @@ def _rms_norm_backward(x_RxN, g_RxN, scale, rstd, s: _Static):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x_RxN, scale, s):
+def _rms_norm(x_RxN: jax.Array, scale: jax.Array, s: _Static) -> jax.Array:
     return _rms_norm_forward(x_RxN, scale, s)[0]
 
 
@@ -106,7 +106,10 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 @functools.partial(jax.jit, static_argnames=("s",))
 def _rms_norm_jit(x, scale, s):
     scale = _compat.vary_like(scale, x)
-    return _rms_norm(_rowwise.to_rows(x), scale, s).reshape(x.shape)
+    y_RxN = _rms_norm(_rowwise.to_rows(x), scale, s)
+    # jax.custom_vjp.__new__ is unannotated (it may build a custom_vjp3), so pyright cannot
+    # solve its return type through functools.partial and calls it `object`; it is an Array.
+    return y_RxN.reshape(x.shape)  # pyright: ignore[reportAttributeAccessIssue]  # see above
 
 
 def rms_norm(

@@ -322,6 +322,14 @@ def good_args():
         ({"master": jnp.zeros((3,), jnp.bfloat16)}, TypeError, "master.dtype=bfloat16"),
         ({"count": 0}, ValueError, "count=0"),
         ({"count": 1.0}, TypeError, "count=1.0"),
+        (
+            {"count": jnp.ones((2,), jnp.int32)},
+            TypeError,
+            r"count must be a scalar, got shape \(2,\)",
+        ),
+        ({"count": True}, TypeError, "count=True"),
+        ({"grad": None}, TypeError, "grad must be an array, got grad=None"),
+        ({"param": None}, TypeError, "param must be an array, got param=None"),
         ({"learning_rate": -1.0}, ValueError, "learning_rate=-1.0"),
         ({"b1": 1.0}, ValueError, r"b1=1\.0"),
         ({"b2": -0.1}, ValueError, r"b2=-0\.1"),
@@ -338,6 +346,13 @@ def test_bad_input(change, error, match):
         rk.adamw_update(**{**good_args(), **change})
 
 
+@pytest.mark.parametrize("name", ["param", "grad", "exp_avg", "exp_avg_sq"])
+def test_reference_names_a_missing_operand(name):
+    change = {k: v for k, v in good_args().items() if k not in ("impl", "block")}
+    with pytest.raises(TypeError, match=f"{name} must be an array, got {name}=None"):
+        rk.adamw_update_reference(**{**change, name: None})
+
+
 @pytest.mark.parametrize(
     "change, error, match",
     [
@@ -346,8 +361,9 @@ def test_bad_input(change, error, match):
         ({"skip": jnp.float32(1.0)}, TypeError, "dtype=float32"),
         ({"grads": [jnp.zeros((3,))]}, ValueError, r"lengths \(2, 1, 2, 2, 2\)"),
         ({"grads": [jnp.zeros((3,)), jnp.zeros((4,))]}, ValueError, r"leaf 1: grad .*=\(4,\)"),
+        ({"exp_avgs": [jnp.zeros((3,)), None]}, TypeError, "leaf 1: exp_avg must be an array"),
     ],
-    ids=["skip-int", "skip-shape", "skip-dtype", "lengths", "leaf-path"],
+    ids=["skip-int", "skip-shape", "skip-dtype", "lengths", "leaf-path", "leaf-none"],
 )
 def test_bad_leaves_input(change, error, match):
     x = jnp.zeros((3,), jnp.float32)
