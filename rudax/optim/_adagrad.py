@@ -51,10 +51,15 @@ def scale_by_torch_adagrad(
     lr_decay, eps = as_weak(lr_decay), as_weak(eps)
     initial_accumulator_value = as_weak(initial_accumulator_value)
 
+    def initial_sum(p: jax.Array) -> jax.Array:
+        # On a complex parameter's real view both parts start at the value, as in torch
+        # (which fills complex(value, value)).
+        value = initial_accumulator_value
+        return jnp.full_like(p, value * (1 + 1j) if jnp.iscomplexobj(p) else value)
+
     def init_fn(params: Any) -> ScaleByTorchAdagradState:
         return ScaleByTorchAdagradState(
-            count=jnp.zeros((), jnp.int32),
-            sum=jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params),
+            count=jnp.zeros((), jnp.int32), sum=jax.tree.map(initial_sum, params)
         )
 
     def update_fn(
