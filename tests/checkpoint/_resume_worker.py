@@ -4,7 +4,7 @@
     python _resume_worker.py resume OUT CUT...  restores each cut's checkpoint, runs the rest
 
 The run: a 2-layer MLP with bf16 parameters, ``fp32_master(chain(clip_by_global_norm,
-adamw(warmup_cosine_schedule)))``, a ``GradientAccumulator`` summing fp32 gradients of
+adamw(warmup_cosine_decay_schedule)))``, a ``GradientAccumulator`` summing fp32 gradients of
 ``K`` token-weighted microbatches per update, dropout-like noise from an RNG key carried in
 the caller state (split once per microbatch), and data that is a pure function of
 (seed, microbatch index). Everything a resumed run needs comes from the checkpoint: the
@@ -42,7 +42,7 @@ MID_MICROBATCHES = 2
 KEEP_PROB = 0.75
 CUTS = {"boundary": CUT_UPDATES * K, "mid_window": CUT_UPDATES * K + MID_MICROBATCHES}
 
-schedule = ro.warmup_cosine_schedule(1e-2, warmup_steps=2, decay_steps=UPDATES)
+schedule = ro.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=UPDATES)
 tx = ro.fp32_master(optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(schedule)))
 
 
