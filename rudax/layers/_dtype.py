@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import filterlib
+from jax.typing import DTypeLike
 
 from rudax._validation import STORAGE_DTYPES
 from rudax.layers._lora import Frozen
@@ -14,7 +17,7 @@ from rudax.layers._lora import Frozen
 M = TypeVar("M", bound=nnx.Module)
 
 
-def to_dtype(model: M, dtype: Any, *, only: Any = (nnx.Param, Frozen)) -> M:
+def to_dtype(model: M, dtype: DTypeLike, *, only: filterlib.Filter = (nnx.Param, Frozen)) -> M:
     """Converts the storage of a model's floating parameters to ``dtype``, in place.
 
     For every variable the filter ``only`` selects (by default ``nnx.Param`` and

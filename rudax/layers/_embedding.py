@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_positive_int, float_dtype
 from rudax.layers._matmul import rows_matmul
@@ -56,8 +55,8 @@ class Embedding(nnx.Module):
         num_embeddings: int,
         features: int,
         *,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         embedding_init: nnx.Initializer = _DEFAULT_EMBEDDING_INIT,
         rngs: nnx.Rngs,
     ):
@@ -71,7 +70,7 @@ class Embedding(nnx.Module):
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
         )
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
+    def __call__(self, ids: ArrayLike) -> jax.Array:
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"Embedding expects integer ids, got ids.dtype={ids.dtype}")
@@ -122,8 +121,8 @@ class TiedProjection(nnx.Module):
         self,
         embedding: Embedding,
         *,
-        bias: jax.Array | nnx.Variable | None = None,
-        dtype: Any = None,
+        bias: ArrayLike | nnx.Variable | None = None,
+        dtype: DTypeLike | None = None,
     ):
         if not isinstance(embedding, Embedding):
             raise TypeError(f"embedding must be a rudax.layers.Embedding, got {embedding=}")
@@ -143,7 +142,7 @@ class TiedProjection(nnx.Module):
                 bias = nnx.Param(value)
         self.bias = bias
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: ArrayLike) -> jax.Array:
         x = jnp.asarray(x)
         check_features("TiedProjection", x, self.features)
         dtype = x.dtype if self.dtype is None else self.dtype

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_bool, check_positive_int, float_dtype
 from rudax.layers._matmul import rows_matmul
@@ -64,8 +63,8 @@ class Linear(nnx.Module):
         out_features: int,
         *,
         use_bias: bool = True,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         kernel_init: nnx.Initializer = DEFAULT_KERNEL_INIT,
         precision: lax.PrecisionLike = None,
         rngs: nnx.Rngs,
@@ -83,7 +82,7 @@ class Linear(nnx.Module):
         )
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: ArrayLike) -> jax.Array:
         x = jnp.asarray(x)
         check_features("Linear", x, self.in_features)
         dtype = x.dtype if self.dtype is None else self.dtype

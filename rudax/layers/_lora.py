@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_positive, check_positive_int, float_dtype
 from rudax.layers._dropout import Dropout
@@ -111,8 +111,8 @@ class LoRALinear(nnx.Module):
         alpha: float,
         dropout: float = 0.0,
         scale_rule: str = "alpha/rank",
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         a_init: nnx.Initializer = _DEFAULT_A_INIT,
         rngs: nnx.Rngs,
     ):
@@ -135,7 +135,7 @@ class LoRALinear(nnx.Module):
         self.lora_b = nnx.Param(jnp.zeros((rank, base.out_features), param_dtype))
         self.dropout = Dropout(dropout, rngs=rngs if dropout > 0.0 else None)
 
-    def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
+    def __call__(self, x: ArrayLike, *, deterministic: bool | None = None) -> jax.Array:
         x = jnp.asarray(x)
         check_features("LoRALinear", x, self.in_features)
         dtype = x.dtype if self.dtype is None else self.dtype

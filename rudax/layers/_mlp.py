@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_bool, check_impl, check_positive_int, float_dtype
 from rudax.kernels import silu_mul
@@ -65,8 +65,8 @@ class GatedMLP(nnx.Module):
         *,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
         use_bias: bool = False,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         kernel_init: nnx.Initializer = DEFAULT_KERNEL_INIT,
         impl: str = "auto",
         interpret: bool = False,
@@ -98,7 +98,7 @@ class GatedMLP(nnx.Module):
         self.up = linear(features, hidden_features)
         self.down = linear(hidden_features, features)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: ArrayLike) -> jax.Array:
         x = jnp.asarray(x)
         check_features("GatedMLP", x, self.features)
         gate, up = self.gate(x), self.up(x)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import (
     check_bool,
@@ -74,8 +73,8 @@ class RMSNorm(nnx.Module):
         features: int,
         *,
         epsilon: float = 1e-6,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         impl: str = "auto",
         interpret: bool = False,
         rngs: nnx.Rngs | None = None,
@@ -91,7 +90,7 @@ class RMSNorm(nnx.Module):
         self.interpret = interpret
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: ArrayLike) -> jax.Array:
         x = jnp.asarray(x)
         check_features("RMSNorm", x, self.features)
         x = x if self.dtype is None else x.astype(self.dtype)
@@ -147,8 +146,8 @@ class LayerNorm(nnx.Module):
         *,
         epsilon: float = 1e-5,
         use_bias: bool = True,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         impl: str = "auto",
         interpret: bool = False,
         rngs: nnx.Rngs | None = None,
@@ -166,7 +165,7 @@ class LayerNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((features,), param_dtype))
         self.bias = nnx.Param(jnp.zeros((features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: ArrayLike) -> jax.Array:
         x = jnp.asarray(x)
         check_features("LayerNorm", x, self.features)
         x = x if self.dtype is None else x.astype(self.dtype)
