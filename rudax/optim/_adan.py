@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.tree_util import tree_flatten_with_path
 
 from rudax._validation import check_in_range, check_non_negative
-from rudax.optim._precision import (
-    as_weak,
-    map_in_compute_dtype,
-    scale_by_learning_rate,
-    with_moment_dtype,
-)
+from rudax.optim._inject import static_arguments
+from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
+from rudax.optim._torch_chain import DecayMask, static_nonzero
+from rudax.optim._torch_chain import _check_mask_leaf as check_mask_leaf
 from rudax.optim._validation import check_learning_rate
 
 
@@ -116,44 +116,99 @@ def scale_by_adan(
     )
 
 
-class ProximalWeightDecayState(NamedTuple):
-    count: jax.Array  # shape=(), int32: updates applied so far, to evaluate a schedule
+def decay_flags(mask: DecayMask, params: Any, *, owner: str) -> list[bool]:
+    """Whether each leaf of ``params`` (in flattening order) decays, by optax's ``mask=`` rule.
+
+    ``mask`` is None (every leaf), a pytree of bools with the parameters' structure or a
+    prefix of it (a bool covers its whole subtree), or a callable of ``params`` returning one,
+    as ``rudax.optim._torch_chain.add_decayed_weights`` reads it. For the optimizers whose
+    decay is not the additive ``u + wd p`` (Adan's proximal step, fused AdamW's kernel), which
+    need the answer leaf by leaf. A mask of the wrong structure is a ValueError, a leaf that is
+    not a bool a TypeError naming its path; both name ``owner``.
+    """
+    if mask is None:
+        return [True] * len(jax.tree.leaves(params))
+    tree = mask(params) if callable(mask) else mask
+    try:
+        subtrees = jax.tree.structure(tree).flatten_up_to(params)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{owner}: mask must have the parameters' tree structure or a prefix of it "
+            f"(a pytree of bools, or a callable of params returning one): {e}"
+        ) from None
+    keeps = [check_mask_leaf(owner, path, k) for path, k in tree_flatten_with_path(tree)[0]]
+    return [keep for keep, sub in zip(keeps, subtrees, strict=True) for _ in jax.tree.leaves(sub)]
 
 
-def _proximal_weight_decay(
-    learning_rate: optax.ScalarOrSchedule, weight_decay: float
+class AdanScheduleState(NamedTuple):
+    # Not named ``count``: ScaleByAdanState.count is the one optax.tree.get(state, "count")
+    # finds. Present only when the learning rate is a schedule.
+    schedule_count: jax.Array  # shape=(), int32: updates so far, to evaluate the schedule
+
+
+def _on_real_view(fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
+    """fn(*xs) elementwise, a complex leaf's real and imaginary parts as two real numbers.
+
+    torch's rule for complex parameters (``torch.view_as_real``). Complex arithmetic would
+    give the same values up to rounding and signed zeros, not bit for bit: ``-lr * u`` is
+    ``(-lr re - 0 im) + (-lr im + 0 re) i`` and the division a complex one.
+    """
+    if not jnp.issubdtype(xs[0].dtype, jnp.complexfloating):
+        return fn(*xs)
+    return jax.lax.complex(fn(*map(jnp.real, xs)), fn(*map(jnp.imag, xs)))
+
+
+def _scale_by_learning_rate_and_proximal_decay(
+    learning_rate: optax.ScalarOrSchedule, weight_decay: Any, mask: DecayMask
 ) -> optax.GradientTransformation:
-    """Turns an update u into the one giving (p + u) / (1 + lr * weight_decay).
+    """Turns a direction u into the update giving (p - lr u) / (1 + lr * weight_decay).
 
     Adan's default (``no_prox=False``) decay is the proximal step of the L2 penalty, applied
     after the gradient step; it shrinks by ``1 / (1 + lr wd)`` where AdamW's shrinks by
-    ``1 - lr wd``. As an additive update: ``(u - lr wd p) / (1 + lr wd)``.
+    ``1 - lr wd``. As an additive update: ``(-lr u - lr wd p) / (1 + lr wd)``, and ``-lr u``
+    on the leaves ``mask`` spares. One transform for both, so the learning rate is evaluated
+    once per update with one count.
     """
+    scheduled = callable(learning_rate)
 
     def init_fn(params):
         del params
-        return ProximalWeightDecayState(count=jnp.zeros([], jnp.int32))
+        return AdanScheduleState(jnp.zeros([], jnp.int32)) if scheduled else optax.EmptyState()
 
     def update_fn(updates, state, params=None):
-        if params is None:
+        decays = static_nonzero(weight_decay)
+        if decays and params is None:
             raise ValueError(
                 "adan's weight decay needs params: call tx.update(grads, state, params)"
             )
-        new_state = ProximalWeightDecayState(count=optax.safe_increment(state.count))
-        if isinstance(weight_decay, float) and weight_decay == 0.0:
-            return updates, new_state
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        decay = lr * weight_decay
+        if scheduled:
+            lr = learning_rate(state.schedule_count)
+            state = AdanScheduleState(optax.safe_increment(state.schedule_count))
+            # optax.scale_by_schedule's rounding: the rate in the update's dtype first.
+            step = lambda u: jnp.asarray(-lr, dtype=u.dtype) * u
+        else:
+            lr = learning_rate
+            step = lambda u: -lr * u  # a weak scalar: computed in the update's dtype
+        if not decays:
+            return jax.tree.map(lambda u: _on_real_view(step, u), updates), state
+        treedef = jax.tree.structure(updates)
+        flags = decay_flags(mask, params, owner="adan")
 
-        def leaf(u, p):
-            c = jnp.asarray(decay, dtype=u.dtype)
-            return (u - c * p.astype(u.dtype)) / (1 + c)
+        def leaf(u, p, decay):
+            if not decay:
+                return _on_real_view(step, u)
+            c = jnp.asarray(lr * weight_decay, dtype=jnp.real(u).dtype)
+            proximal = lambda x, q: (step(x) - c * q) / (1 + c)
+            return _on_real_view(proximal, u, p.astype(u.dtype))
 
-        return jax.tree.map(leaf, updates, params), new_state
+        us, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
+        new = [leaf(u, p, d) for u, p, d in zip(us, ps, flags, strict=True)]
+        return treedef.unflatten(new), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@static_arguments("moment_dtype", "mask")
 def adan(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.98,
@@ -163,6 +218,7 @@ def adan(
     weight_decay: float = 0.0,
     *,
     moment_dtype: Any = None,
+    mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Adan (Xie et al. 2022), matching the authors' PyTorch ``Adan`` with ``no_prox=False``.
 
@@ -186,6 +242,12 @@ def adan(
     ``eps_root=0`` and ``weight_decay=0`` the two are equal. torch has no Adan; the official
     code's ``max_grad_norm`` is left to ``clip_by_global_norm`` chained in front.
 
+    A complex parameter follows torch's rule for complex parameters: every step above runs on
+    its real view (``torch.view_as_real``), elementwise on the real and imaginary parts as on
+    two real parameters, and its buffers are complex. The state holds one update count,
+    ``ScaleByAdanState.count`` (``optax.tree.get(state, "count")``); a learning-rate schedule
+    keeps its own as ``schedule_count``.
+
     Args:
       learning_rate: a float >= 0 or a schedule of the update count.
       b1: decay of the gradient EMA (paper ``1 - beta1``), in [0, 1).
@@ -196,9 +258,15 @@ def adan(
       moment_dtype: storage dtype of ``m, v, n`` and the previous gradient, e.g. ``jnp.float32``
         for bf16 parameters; None keeps each parameter's dtype. Each update is computed in the
         wider of this and the gradient's dtype and returned in the parameter's dtype.
+      mask: which parameters decay, as in ``optax.add_decayed_weights``: a pytree of bools
+        like the parameters (or a prefix of it), or a callable of the parameters returning
+        one. A False leaf still gets its step, without decay (``p_t = p_{t-1} - lr_t u_t``,
+        the official code's parameter group with ``weight_decay=0``). None decays all.
 
     Returns:
-      An ``optax.GradientTransformation``: ``scale_by_adan``, the learning rate, the decay.
+      An ``optax.GradientTransformation``: ``chain(scale_by_adan, the learning rate with the
+      proximal decay)``, the decay a no-op when ``weight_decay`` is 0. Its ``update`` needs
+      ``params`` when it decays.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -219,13 +287,17 @@ def adan(
     """
     check_learning_rate(learning_rate)
     check_non_negative("weight_decay", weight_decay)
-    learning_rate = as_weak(learning_rate)
+    if mask is not None and not callable(mask):
+        # Checked at construction too, so a typo fails before any data is loaded.
+        for path, keep in tree_flatten_with_path(mask)[0]:
+            check_mask_leaf("adan", path, keep)
     # moment_dtype=None inside: the outer with_moment_dtype applies it to the whole chain.
     return with_moment_dtype(
         optax.chain(
             scale_by_adan(b1, b2, b3, eps),
-            scale_by_learning_rate(learning_rate),
-            _proximal_weight_decay(learning_rate, as_weak(weight_decay)),
+            _scale_by_learning_rate_and_proximal_decay(
+                as_weak(learning_rate), as_weak(weight_decay), mask
+            ),
         ),
         moment_dtype,
         owner="adan",
