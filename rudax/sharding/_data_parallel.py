@@ -21,17 +21,27 @@ already summed over ranks, so ``reduce`` sums only the gradients that still vary
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
 
+import chex
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from rudax._validation import check_floating_leaves, check_int, check_non_negative
 from rudax.sharding._compat import varying_axes
 
 _HALF = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+# A gradient pytree whose leaves may be None (what they do: ``MissingGradientPolicy``); a
+# chex.ArrayTree has no None leaves.
+GradientTree: TypeAlias = (
+    chex.Array | Iterable["GradientTree"] | Mapping[Any, "GradientTree"] | None
+)
 
 
 class MissingGradientPolicy(enum.Enum):
@@ -148,7 +158,7 @@ class DataParallel:
                 f"root must be a rank in [0, {self.size}) of axis {self.axis_name!r}, got {root=}"
             )
 
-    def check_replicas(self, replicas: Sequence[Any]) -> None:
+    def check_replicas(self, replicas: Sequence[chex.ArrayTree]) -> None:
         """Checks, on the host, that per-replica trees agree before they are placed on devices.
 
         One tree per rank; each must have replica 0's tree paths, leaf shapes and dtypes, and
@@ -175,7 +185,9 @@ class DataParallel:
             for a, b in zip(paths0, paths, strict=False):
                 if a != b:
                     raise ValueError(f"replica {r} has leaf {b} where replica 0 has {a}")
-            if len(paths) != len(paths0) or tree != tree0:
+            # jaxlib 0.10 ships its _jax module without stubs: mypy cannot resolve jax's
+            # PyTreeDef alias, so it refuses the comparison PyTreeDef defines.
+            if len(paths) != len(paths0) or tree != tree0:  # type: ignore[operator]
                 raise ValueError(
                     f"replica {r} has tree structure {tree}, replica 0 has {tree0} "
                     f"({len(paths)} vs {len(paths0)} leaves)"
@@ -194,7 +206,7 @@ class DataParallel:
                         f"replica 0 ties it to {paths0[t0]}"
                     )
 
-    def initialize(self, params: Any, *, root: int = 0) -> Any:
+    def initialize(self, params: chex.ArrayTree, *, root: int = 0) -> chex.ArrayTree:
         """Inside ``shard_map``: every rank's floating leaves replaced by root's, bit for bit.
 
         Integer and bool leaves (step counters, RNG key data, masks) are returned untouched;
@@ -224,7 +236,7 @@ class DataParallel:
         """
         return self._initialize(params, root, "initialize", buffers=False)
 
-    def initialize_with_buffers(self, params: Any, *, root: int = 0) -> Any:
+    def initialize_with_buffers(self, params: chex.ArrayTree, *, root: int = 0) -> chex.ArrayTree:
         """``initialize`` that also broadcasts integer and bool leaves from ``root``.
 
         Args:
@@ -236,7 +248,9 @@ class DataParallel:
         """
         return self._initialize(params, root, "initialize_with_buffers", buffers=True)
 
-    def _initialize(self, params: Any, root: Any, method: str, *, buffers: bool) -> Any:
+    def _initialize(
+        self, params: chex.ArrayTree, root: int, method: str, *, buffers: bool
+    ) -> chex.ArrayTree:
         self._check_root(root)
         self._check_axis(method)
 
@@ -248,11 +262,11 @@ class DataParallel:
 
     def reduce(
         self,
-        grads: Any,
-        local_weight: Any,
+        grads: GradientTree,
+        local_weight: ArrayLike,
         *,
         missing: MissingGradientPolicy = MissingGradientPolicy.REJECT,
-    ) -> Any:
+    ) -> GradientTree:
         """Inside ``shard_map``: the global gradient sum over the global token count.
 
         With ``grads_r`` rank r's gradient of its local loss *sum* and ``w_r`` its token count
@@ -285,11 +299,11 @@ class DataParallel:
 
     def reduce_fp32(
         self,
-        grads: Any,
-        local_weight: Any,
+        grads: GradientTree,
+        local_weight: ArrayLike,
         *,
         missing: MissingGradientPolicy = MissingGradientPolicy.REJECT,
-    ) -> Any:
+    ) -> GradientTree:
         """``reduce`` with the all-reduce and the result in float32.
 
         For half-precision gradients, or fp32 gradients accumulated for half-precision
@@ -308,8 +322,14 @@ class DataParallel:
         return self._reduce(grads, local_weight, missing, "reduce_fp32", fp32=True)
 
     def _reduce(
-        self, grads: Any, local_weight: Any, missing: Any, method: str, *, fp32: bool
-    ) -> Any:
+        self,
+        grads: GradientTree,
+        local_weight: ArrayLike,
+        missing: MissingGradientPolicy,
+        method: str,
+        *,
+        fp32: bool,
+    ) -> GradientTree:
         if not isinstance(missing, MissingGradientPolicy):
             raise TypeError(f"missing must be a MissingGradientPolicy, got {missing=}")
         if missing is MissingGradientPolicy.REJECT:

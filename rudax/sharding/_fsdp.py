@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.typing import ArrayLike, DTypeLike
 
 import rudax.layers as rl
 from rudax._validation import float_dtype
@@ -50,7 +51,7 @@ class ShardedModule(nnx.Module):
         graphdef: nnx.GraphDef,
         paths: tuple[tuple[Any, ...], ...],
         variables: list[nnx.Variable],
-        compute_dtype: Any = None,
+        compute_dtype: DTypeLike | None = None,
     ):
         self.graphdef = graphdef
         self.paths = paths
@@ -148,7 +149,7 @@ class ShardingContext:
         self._converted[id(p)] = (p, sharded)
         return sharded
 
-    def module(self, layer: nnx.Module, *, compute_dtype: Any = None) -> ShardedModule:
+    def module(self, layer: nnx.Module, *, compute_dtype: DTypeLike | None = None) -> ShardedModule:
         """Any ``nnx.Module`` whose variables are all floating Params or Frozen, sharded."""
         if not isinstance(layer, nnx.Module):
             raise TypeError(f"layer must be an nnx.Module, got {type(layer).__name__}")
@@ -166,40 +167,52 @@ class ShardingContext:
             variables.append(self.parameter(var))
         return ShardedModule(graphdef, tuple(paths), variables, compute_dtype)
 
-    def _typed(self, name: str, layer: Any, cls: type, compute_dtype: Any) -> ShardedModule:
+    def _typed(
+        self, name: str, layer: Any, cls: type[nnx.Module], compute_dtype: DTypeLike | None
+    ) -> ShardedModule:
         if not isinstance(layer, cls):
             raise TypeError(f"{name} must be a rudax.layers.{cls.__name__}, got {layer!r}")
         return self.module(layer, compute_dtype=compute_dtype)
 
-    def linear(self, l: rl.Linear, *, compute_dtype: Any = None) -> ShardedModule:  # noqa: E741
+    def linear(self, l: rl.Linear, *, compute_dtype: DTypeLike | None = None) -> ShardedModule:  # noqa: E741
         """A sharded ``rudax.layers.Linear``."""
         return self._typed("l", l, rl.Linear, compute_dtype)
 
-    def embedding(self, e: rl.Embedding, *, compute_dtype: Any = None) -> ShardedModule:
+    def embedding(
+        self, e: rl.Embedding, *, compute_dtype: DTypeLike | None = None
+    ) -> ShardedModule:
         """A sharded ``rudax.layers.Embedding``."""
         return self._typed("e", e, rl.Embedding, compute_dtype)
 
     def tied_projection(
-        self, embedding: rl.Embedding, bias: Any = None, *, compute_dtype: Any = None
+        self,
+        embedding: rl.Embedding,
+        bias: ArrayLike | nnx.Variable | None = None,
+        *,
+        compute_dtype: DTypeLike | None = None,
     ) -> ShardedModule:
         """A sharded ``rudax.layers.TiedProjection(embedding, bias=bias)``, sharing the table."""
         if not isinstance(embedding, rl.Embedding):
             raise TypeError(f"embedding must be a rudax.layers.Embedding, got {embedding!r}")
         return self.module(rl.TiedProjection(embedding, bias=bias), compute_dtype=compute_dtype)
 
-    def rms_norm(self, n: rl.RMSNorm, *, compute_dtype: Any = None) -> ShardedModule:
+    def rms_norm(self, n: rl.RMSNorm, *, compute_dtype: DTypeLike | None = None) -> ShardedModule:
         """A sharded ``rudax.layers.RMSNorm``."""
         return self._typed("n", n, rl.RMSNorm, compute_dtype)
 
-    def layer_norm(self, n: rl.LayerNorm, *, compute_dtype: Any = None) -> ShardedModule:
+    def layer_norm(
+        self, n: rl.LayerNorm, *, compute_dtype: DTypeLike | None = None
+    ) -> ShardedModule:
         """A sharded ``rudax.layers.LayerNorm``."""
         return self._typed("n", n, rl.LayerNorm, compute_dtype)
 
-    def gated_mlp(self, m: rl.GatedMLP, *, compute_dtype: Any = None) -> ShardedModule:
+    def gated_mlp(self, m: rl.GatedMLP, *, compute_dtype: DTypeLike | None = None) -> ShardedModule:
         """A sharded ``rudax.layers.GatedMLP`` (gate, up and down each sharded)."""
         return self._typed("m", m, rl.GatedMLP, compute_dtype)
 
-    def lora(self, lora_linear: rl.LoRALinear, *, compute_dtype: Any = None) -> ShardedModule:
+    def lora(
+        self, lora_linear: rl.LoRALinear, *, compute_dtype: DTypeLike | None = None
+    ) -> ShardedModule:
         """A sharded ``rudax.layers.LoRALinear``: frozen base and trainable adapter both sharded."""
         return self._typed("lora_linear", lora_linear, rl.LoRALinear, compute_dtype)
 
@@ -214,7 +227,7 @@ def _keystr(path: tuple[Any, ...]) -> str:
 
 
 def _variable_at(module: nnx.Module, path: tuple[Any, ...]) -> Any:
-    node = module
+    node: Any = module  # a module, then whatever its attributes and items are: lists, dicts
     for key in path:
         node = node[key] if isinstance(key, int) else getattr(node, key)
     return node

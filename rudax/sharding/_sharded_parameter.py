@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_int, float_dtype
 from rudax.sharding.collectives import all_gather
@@ -120,7 +121,7 @@ class ShardedParameter:
         return _shard_range(self.size, self.num_shards, rank)
 
     @classmethod
-    def from_full(cls, value: Any, mesh: Mesh, axis_name: str = "fsdp") -> ShardedParameter:
+    def from_full(cls, value: ArrayLike, mesh: Mesh, axis_name: str = "fsdp") -> ShardedParameter:
         """Pads and splits a full value, placing slice r on rank r of ``axis_name``."""
         n = _axis_size(mesh, axis_name)
         value = jnp.asarray(value)
@@ -132,12 +133,12 @@ class ShardedParameter:
     @classmethod
     def from_local(
         cls,
-        shards: Sequence[Any] | Mapping[int, Any] | Callable[[int], Any],
+        shards: Sequence[ArrayLike] | Mapping[int, ArrayLike] | Callable[[int], ArrayLike],
         logical_shape: Sequence[int],
         mesh: Mesh,
         axis_name: str = "fsdp",
         *,
-        dtype: Any,
+        dtype: DTypeLike,
     ) -> ShardedParameter:
         """Builds the parameter from per-rank slices, without ever forming the full value.
 
@@ -152,7 +153,10 @@ class ShardedParameter:
         k = shard_size(size, n)
         get = shards if callable(shards) else shards.__getitem__
 
-        def load(index: tuple[slice, ...]) -> np.ndarray:
+        def load(index: tuple[slice, ...] | None) -> np.ndarray:
+            # jax types the index Optional ("TODO: Remove None from callback input type") but
+            # asserts it is not None before calling: one slice per axis, here one axis.
+            assert index is not None
             rank = (index[0].start or 0) // k
             start, stop = _shard_range(size, n, rank)
             part = np.asarray(get(rank))
@@ -174,7 +178,7 @@ class ShardedParameter:
         local = jax.make_array_from_callback((n * k,), sharding, load)
         return cls(local, shape, axis_name, n)
 
-    def gather(self, dtype: Any = None) -> jax.Array:
+    def gather(self, dtype: DTypeLike | None = None) -> jax.Array:
         """The logical value, inside ``shard_map`` over ``axis_name``.
 
         The result is typed as varying over the axis (shard_map's ``check_vma``): each rank's
