@@ -250,7 +250,7 @@ class Checkpointer:
             check_array_leaves(name, getattr(record, name))
         arrays, python = split_state(record.state)
         if record.dtypes is not None:
-            check_recorded_dtypes(record)
+            check_recorded_dtypes(record, record.dtypes)
         parts = {p: getattr(record, p) for p in PARTS} | {"state": arrays}
         present = [p for p in PARTS if getattr(record, p) is not None]
         fields = {
@@ -397,7 +397,8 @@ class Checkpointer:
                     f"restore: step {step}: {difference}; pass strict=False to restore with "
                     "another config on purpose"
                 )
-        if with_dtypes and meta.storage_dtypes is None:
+        recorded = meta.storage_dtypes if with_dtypes else None  # None: a plain restore
+        if with_dtypes and recorded is None:
             raise ValueError(
                 f"restore_with_dtypes: step {step} in {self.directory} was saved without "
                 "recorded dtypes; save records made by TrainingRecord.capture_with_dtypes, "
@@ -407,8 +408,8 @@ class Checkpointer:
             check_layout(p, meta.layout[p], describe(getattr(like, p)), any_float=with_dtypes)
         state_arrays, _ = split_state(like.state, template=True)
         targets = {p: getattr(like, p) for p in PARTS} | {"state": state_arrays}
-        if with_dtypes:
-            targets = {p: retyped(p, targets[p], meta.storage_dtypes) for p in PARTS}
+        if recorded is not None:
+            targets = {p: retyped(p, targets[p], recorded) for p in PARTS}
         keys, targets = targets, {p: data_template(targets[p]) for p in PARTS}  # key data
         stored = [p for p in present if jax.tree.leaves(targets[p])]
         items = {
@@ -437,10 +438,9 @@ class Checkpointer:
             out[p] = rewrap(out[p], keys[p])
         if like.state is not None:
             out["state"] = merge_state(out["state"], like.state, meta.python_state)
-        if with_dtypes:
-            dtypes = {k: v for k, v in meta.storage_dtypes.items() if k.startswith(tuple(present))}
-        else:
-            dtypes = like.dtypes
+        dtypes = like.dtypes
+        if recorded is not None:
+            dtypes = {k: v for k, v in recorded.items() if k.startswith(tuple(present))}
         return TrainingRecord(**{p: out.get(p) for p in PARTS}, config=like.config, dtypes=dtypes)
 
     def _step_to_read(self, step: int | None) -> int:

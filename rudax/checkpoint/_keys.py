@@ -19,6 +19,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # {key dtype name: impl name for jax.random.key / wrap_key_data}: JAX's built-in impls.
@@ -28,12 +29,12 @@ KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<urbg>": "unsafe
 def is_key(x: Any) -> bool:
     """True for a typed key array or a ``ShapeDtypeStruct`` standing for one."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def dtype_name(dtype: Any) -> str:
     """The name a layout row gives a dtype: NumPy's, or JAX's for a key dtype."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return str(dtype)
     return str(np.dtype(dtype))
 

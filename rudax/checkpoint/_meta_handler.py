@@ -47,6 +47,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint import future as orbax_future
 
 from rudax.checkpoint._integrity import HostCopy, add_sums, as_hex, host_copies, local_sums
 from rudax.checkpoint._meta import build_meta
@@ -111,14 +112,14 @@ class MetaHandler(ocp.handlers.JsonCheckpointHandler):
         self,
         directory: epath.Path,
         item: Any = None,
-        args: MetaSave | None = None,
+        args: ocp.args.CheckpointArgs | None = None,
     ) -> list[Any]:
         """Takes the host copies now; returns the future that hashes them and writes."""
         if not isinstance(args, MetaSave):
             raise TypeError(f"MetaHandler saves MetaSave arguments, got {type(args).__name__}")
         copies = {part: host_copies(t, copy_numpy=True) for part, t in args.parts.items()}
         return [
-            ocp.future.CommitFutureAwaitingContractedSignals(
+            orbax_future.CommitFutureAwaitingContractedSignals(
                 self._commit(directory, args, copies), name="rudax_meta"
             )
         ]

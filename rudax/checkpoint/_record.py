@@ -25,6 +25,7 @@ import json
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rudax.checkpoint._config import check_config
@@ -96,7 +97,7 @@ class TrainingRecord(NamedTuple):
       >>> record.state["epoch"], record.accumulator is None, record.config["optimizer"]["lr"]
       (3, True, 0.1)
       >>> jax.tree.leaves(record)  # the config is not among the leaves
-      [Array([0., 0.], dtype=float32), 3, 'run-1']
+      [Array([0., 0.], dtype=float32), Array(0, dtype=int32), 3, 'run-1']
 
     References:
       orbax-checkpoint, https://orbax.readthedocs.io (the on-disk format).
@@ -115,7 +116,7 @@ class TrainingRecord(NamedTuple):
         *,
         model: Any,
         optimizer: Any,
-        accumulator: Any = None,
+        accumulator: GradientAccumulator | None = None,
         state: Any = None,
         config: dict[str, Any] | None = None,
     ) -> TrainingRecord:
@@ -155,7 +156,7 @@ class TrainingRecord(NamedTuple):
         *,
         model: Any,
         optimizer: Any,
-        accumulator: Any = None,
+        accumulator: GradientAccumulator | None = None,
         state: Any = None,
         config: dict[str, Any] | None = None,
     ) -> TrainingRecord:
@@ -236,7 +237,8 @@ def _flatten(record: TrainingRecord) -> tuple[Any, Any]:
 
 def _unflatten(static: Any, children: Any) -> TrainingRecord:
     config, dtypes = static
-    return TrainingRecord(*children, config.value, dtypes.value)
+    model, optimizer, accumulator, state = children
+    return TrainingRecord(model, optimizer, accumulator, state, config.value, dtypes.value)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -270,7 +272,7 @@ def is_array_like(leaf: Any) -> bool:
 def check_dtype(where: str, leaf: Any) -> None:
     """TypeError naming where unless leaf's dtype is one a checkpoint stores exactly."""
     dtype = leaf.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         check_key(where, leaf)
         return
     if str(np.dtype(dtype)) not in DTYPE_NAMES:
@@ -326,7 +328,7 @@ def merge_state(arrays: Any, template: Any, python: dict[str, Any]) -> Any:
         next(it) if is_array_like(leaf) else python[jax.tree_util.keystr(path)]
         for path, leaf in leaves
     ]
-    return treedef.unflatten(out)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def describe(tree: Any) -> list[list[Any]]:

@@ -148,7 +148,7 @@ def place_unplaced(restored: Any, template: Any) -> Any:
     if len(like) != len(flat):
         raise ValueError(f"restore: {len(flat)} leaves read, the template has {len(like)}")
     out = [jax.numpy.asarray(r) if _unplaced(t) else r for r, t in zip(flat, like, strict=True)]
-    return treedef.unflatten(out)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def repadded(template: Any, saved: dict[str, dict[str, Any]]) -> dict[str, tuple[int, int]]:

@@ -61,13 +61,13 @@ def check_parts(meta: Meta, present: list[str], strict: bool) -> None:
         )
 
 
-def check_recorded_dtypes(record: TrainingRecord) -> None:
-    """ValueError naming the first leaf whose dtype is not the one record.dtypes recorded."""
+def check_recorded_dtypes(record: TrainingRecord, recorded: dict[str, str]) -> None:
+    """ValueError naming the first leaf whose dtype is not the one ``record.dtypes`` gives it."""
     now = floating_dtypes(record)
-    for path in sorted(set(now) | set(record.dtypes)):
-        if now.get(path) != record.dtypes.get(path):
+    for path in sorted(set(now) | set(recorded)):
+        if now.get(path) != recorded.get(path):
             raise ValueError(
-                f"save: record.dtypes records record.{path} as {record.dtypes.get(path)}, but "
+                f"save: record.dtypes records record.{path} as {recorded.get(path)}, but "
                 f"the leaf is {now.get(path)}: the record changed after capture_with_dtypes, "
                 "capture it again (saving never casts)"
             )
