@@ -21,8 +21,11 @@ from rudax._validation import (
     float_dtype,
 )
 from rudax.optim._adam import adamw
+from rudax.optim._adan import decay_flags
+from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
-from rudax.optim._torch_chain import torch_chain
+from rudax.optim._torch_chain import DecayMask, torch_chain
+from rudax.optim._torch_chain import _check_mask_leaf as check_mask_leaf
 from rudax.optim._validation import check_gradients, check_learning_rate
 
 # Keller Jordan's quintic, as torch.optim.Muon: maximal slope at zero, so few steps suffice;
@@ -76,6 +79,39 @@ def _lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None, layout: str) -> 
     return math.sqrt(max(1.0, fan_out / fan_in))
 
 
+def check_not_injected(owner: str, values: dict[str, Any]) -> None:
+    """A TypeError for a structural argument that arrives as an array, naming the fix.
+
+    ``optax.inject_hyperparams`` makes every int argument an array and takes every callable
+    (a dtype, a mask function) for a schedule, whose value is an array too. A loop count, a
+    buffer length or a dtype fixes the compiled program and cannot be one.
+    """
+    for name, value in values.items():
+        if isinstance(value, jax.Array):
+            raise TypeError(
+                f"{owner}: {name} shapes the compiled program and cannot be an array or a "
+                f"traced value, got {name}={value!r}. optax.inject_hyperparams makes int "
+                f"arguments arrays and callables (dtypes, masks) schedules: pass "
+                f"static_args=({name!r}, ...) to it, or use rudax.optim.inject_hyperparams, "
+                f"which keeps {owner}'s structural arguments static"
+            )
+
+
+def _refuse_complex(owner: str, what: str, tree: Any, selected: Any = None) -> None:
+    """A TypeError naming the first complex leaf Muon would orthogonalize, and the fix."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    chosen = [True] * len(flat) if selected is None else jax.tree.leaves(selected)
+    for (path, x), to_muon in zip(flat, chosen, strict=True):
+        dtype = jnp.result_type(x)
+        if to_muon and jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"{owner}: {what} {jax.tree_util.keystr(path)} has dtype={dtype}: Muon "
+                "orthogonalizes real matrices and takes no complex parameters (neither does "
+                "torch.optim.Muon). Split it into real and imaginary parameters, or send it to "
+                "the AdamW part with muon_mask (AdamW steps it on its real view, as torch)."
+            )
+
+
 def _check_matrix(path: Any, x: Any) -> None:
     if jnp.ndim(x) != 2:
         raise ValueError(
@@ -88,6 +124,18 @@ class ScaleByMuonState(NamedTuple):
     momentum: optax.Updates  # momentum buffer B_t, moment_dtype
 
 
+_SCALE_BY_MUON_STATIC = (
+    "nesterov",
+    "ns_steps",
+    "ns_coefficients",
+    "adjust_lr_fn",
+    "matrix_layout",
+    "ns_dtype",
+    "moment_dtype",
+)
+
+
+@static_arguments(*_SCALE_BY_MUON_STATIC)
 def scale_by_muon(
     momentum: float = 0.95,
     *,
@@ -133,10 +181,12 @@ def scale_by_muon(
         this and the gradient's dtype and returned in the parameter's dtype.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a ``ScaleByMuonState``. Every leaf
-      must be 2-D: a ``ValueError`` names the first that is not. An empty ``(0, n)`` or
-      ``(n, 0)`` matrix gets an empty update (torch's ``"original"`` ratio divides by zero
-      for one of the two).
+      An ``optax.GradientTransformationExtraArgs`` whose state is a ``ScaleByMuonState``.
+      Every leaf must be 2-D: a ``ValueError`` names the first that is not; and real: a
+      ``TypeError`` names the first complex one. An empty ``(0, n)`` or ``(n, 0)`` matrix
+      gets an empty update (torch's ``"original"`` ratio divides by zero for one of the two).
+      ``momentum`` and ``eps`` may be injected (``rudax.optim.inject_hyperparams``); the
+      other arguments shape the program and are static.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -152,6 +202,9 @@ def scale_by_muon(
       <https://kellerjordan.github.io/posts/muon/>`_, 2024; Liu et al., `Muon is Scalable for
       LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025; ``torch.optim.Muon``.
     """
+    check_not_injected(
+        "scale_by_muon", dict(ns_steps=ns_steps, ns_dtype=ns_dtype, moment_dtype=moment_dtype)
+    )
     check_in_range("momentum", momentum, 0.0, 1.0)
     check_bool("nesterov", nesterov)
     check_positive_int("ns_steps", ns_steps)
@@ -189,9 +242,24 @@ def scale_by_muon(
         )
         return u, ScaleByMuonState(momentum=buf)
 
-    return with_moment_dtype(
-        optax.GradientTransformation(init_fn, update_fn), moment_dtype, owner="scale_by_muon"
+    tx = with_moment_dtype(
+        optax.GradientTransformation(init_fn, update_fn),
+        moment_dtype,
+        owner="scale_by_muon",
+        allow_complex=False,
     )
+
+    def checked_init(params: optax.Params) -> ScaleByMuonState:
+        _refuse_complex("scale_by_muon", "parameter", params)
+        return tx.init(params)
+
+    def checked_update(updates, state, params=None, **extra_args):
+        _refuse_complex("scale_by_muon", "gradient", updates)
+        if params is not None:
+            _refuse_complex("scale_by_muon", "parameter", params)
+        return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(checked_init, checked_update)
 
 
 def _check_coefficients(value: Any) -> tuple[float, float, float]:
@@ -240,6 +308,7 @@ def _muon_labels(muon_mask: MaskSpec) -> Callable[[optax.Params], Any]:
     return labels
 
 
+@static_arguments(*_SCALE_BY_MUON_STATIC, "muon_mask", "mask")
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     weight_decay: float = 0.1,
@@ -259,6 +328,7 @@ def muon(
     adamw_weight_decay: float | None = None,
     ns_dtype: Any = jnp.bfloat16,
     moment_dtype: Any = None,
+    mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Muon on 2-D weight matrices (as ``torch.optim.Muon``), torch-style AdamW on the rest.
 
@@ -277,6 +347,17 @@ def muon(
     ``c_i = 1 - b_i**t``. torch's Muon only accepts 2-D parameters and leaves the rest to a
     second optimizer; here one transformation holds both (``optax.partition``). optax has no
     Muon with this rule (``optax.contrib.muon`` differs in its momentum, scaling and decay).
+
+    **Which leaves decay.** ``mask=`` says which parameters decay, whichever part steps them:
+    a leaf it leaves out takes ``weight_decay = 0`` in Muon's rule or ``wd' = 0`` in AdamW's,
+    as a torch parameter group with ``weight_decay=0`` does in ``torch.optim.Muon`` and in
+    ``torch.optim.AdamW``. One mask for the parameters, not one per part, because what is
+    exempt (biases, norms, embeddings) is a property of the parameter, and ``muon_mask`` may
+    send a 2-D leaf to either part. (``optax.contrib.muon``'s ``weight_decay_mask`` masks only
+    its Muon part.) Usually only AdamW's leaves need it: biases and norms are not 2-D.
+
+    Complex parameters: a leaf sent to Muon must be real (a TypeError naming it, as
+    ``torch.optim.Muon`` refuses them); a leaf sent to AdamW follows AdamW, on its real view.
 
     Args:
       learning_rate: Muon's learning rate, a float >= 0 or a schedule of the update count.
@@ -304,10 +385,18 @@ def muon(
         ``jnp.float32`` for bf16 parameters; None keeps each parameter's dtype. Each update is
         computed in the wider of this and the gradient's dtype and returned in the parameter's
         dtype.
+      mask: which parameters decay, in both parts, as in ``optax.add_decayed_weights``: a
+        pytree of bools like the parameters (or a prefix of it), or a callable of the
+        parameters returning one. A False leaf still gets its step, without decay. None
+        decays all.
 
     Returns:
-      An ``optax.GradientTransformation`` (an ``optax.partition`` of the two chains). Its
-      ``update`` needs ``params``.
+      An ``optax.GradientTransformationExtraArgs`` around an ``optax.partition`` of the two
+      chains (its state is the partition's). Its ``update`` needs ``params``. The arguments
+      that shape the program (``nesterov``, ``ns_steps``, ``ns_coefficients``,
+      ``adjust_lr_fn``, ``matrix_layout``, ``muon_mask``, ``ns_dtype``, ``moment_dtype``,
+      ``mask``) are static under ``rudax.optim.inject_hyperparams``; with
+      ``optax.inject_hyperparams`` pass them as ``static_args``. The float ones may be injected.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -320,6 +409,12 @@ def muon(
       >>> updates, state = tx.update(jax.grad(loss)(params), state, params)
       >>> bool(loss(optax.apply_updates(params, updates)) < loss(params))
       True
+      >>> no_decay_for_vectors = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+      >>> tx = ro.muon(0.02, adamw_learning_rate=3e-4, mask=no_decay_for_vectors)
+      >>> zero = jax.tree.map(jnp.zeros_like, params)  # zero gradients: only the decay acts
+      >>> updates, _ = tx.update(zero, tx.init(params), {**params, "b": jnp.ones(3)})
+      >>> round(float(updates["w"][0, 0]), 6), updates["b"].tolist()  # -lr wd w; no decay
+      (-0.002, [-0.0, -0.0, -0.0])
 
     References:
       Jordan et al., `Muon: An optimizer for hidden layers in neural networks
@@ -328,6 +423,16 @@ def muon(
       ``torch.optim.AdamW``; Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
+    check_not_injected(
+        "muon",
+        dict(
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            moment_dtype=moment_dtype,
+            muon_mask=muon_mask,
+            mask=mask,
+        ),
+    )
     check_learning_rate(learning_rate)
     check_non_negative("weight_decay", weight_decay)
     if adamw_learning_rate is not None:
@@ -337,41 +442,73 @@ def muon(
     check_non_negative("adamw_eps", adamw_eps)
     if adamw_weight_decay is not None:
         check_non_negative("adamw_weight_decay", adamw_weight_decay)
-    # moment_dtype=None inside: torch_chain and adamw apply it to their whole chains.
-    muon_chain = torch_chain(
-        [
-            scale_by_muon(
-                momentum,
-                nesterov=nesterov,
-                ns_steps=ns_steps,
-                ns_coefficients=ns_coefficients,
-                eps=eps,
-                adjust_lr_fn=adjust_lr_fn,
-                matrix_layout=matrix_layout,
-                ns_dtype=ns_dtype,
-            )
-        ],
-        learning_rate,
-        weight_decay,
-        moment_dtype,
-        name="muon",
-        decoupled=True,
+    direction = scale_by_muon(
+        momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        ns_coefficients=ns_coefficients,
+        eps=eps,
+        adjust_lr_fn=adjust_lr_fn,
+        matrix_layout=matrix_layout,
+        ns_dtype=ns_dtype,
     )
-    adamw_chain = adamw(
-        learning_rate if adamw_learning_rate is None else adamw_learning_rate,
-        adamw_b1,
-        adamw_b2,
-        adamw_eps,
-        weight_decay if adamw_weight_decay is None else adamw_weight_decay,
-        moment_dtype=moment_dtype,
-    )
-    partitioned = optax.partition(
-        {"muon": muon_chain, "adamw": adamw_chain}, _muon_labels(muon_mask)
-    )
+    labels = _muon_labels(muon_mask)
+
+    def partitioned(decay_mask: DecayMask) -> optax.GradientTransformation:
+        # moment_dtype=None inside: torch_chain and adamw apply it to their whole chains.
+        muon_chain = torch_chain(
+            [direction],
+            learning_rate,
+            weight_decay,
+            moment_dtype,
+            name="muon",
+            decoupled=True,
+            mask=decay_mask,
+            allow_complex=False,
+        )
+        adamw_chain = adamw(
+            learning_rate if adamw_learning_rate is None else adamw_learning_rate,
+            adamw_b1,
+            adamw_b2,
+            adamw_eps,
+            weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+            moment_dtype=moment_dtype,
+            mask=decay_mask,
+        )
+        return optax.partition({"muon": muon_chain, "adamw": adamw_chain}, labels)
+
+    # Every chain has the same state whatever the mask (add_decayed_weights keeps none), so
+    # one built without it initializes the state for all.
+    plain = partitioned(None)
+    if mask is not None and not callable(mask):
+        # Checked at construction too, so a typo fails before any data is loaded.
+        for path, keep in jax.tree_util.tree_flatten_with_path(mask)[0]:
+            check_mask_leaf("muon", path, keep)
+
+    def init_fn(params):
+        _refuse_complex("muon", "parameter", params, _to_muon(labels, params))
+        return plain.init(params)
 
     def update_fn(updates, state, params=None, **extra_args):
         # Before the partition: its masks are built from the gradients' tree.
         check_gradients("muon", updates, params)
-        return partitioned.update(updates, state, params, **extra_args)
+        selected = _to_muon(labels, updates)
+        _refuse_complex("muon", "gradient", updates, selected)
+        if params is not None:
+            _refuse_complex("muon", "parameter", params, selected)
+        if mask is None or params is None:
+            tx = plain
+        else:
+            # Resolved here, on the whole tree: inside the partition each part sees the
+            # parameters with the other part's leaves masked out, which a callable of the
+            # parameters should not have to handle. One bool per leaf serves both parts.
+            flags = decay_flags(mask, params, owner="muon")
+            tx = partitioned(jax.tree.structure(params).unflatten(flags))
+        return tx.update(updates, state, params, **extra_args)
 
-    return partitioned._replace(update=update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _to_muon(labels: Callable[[optax.Params], Any], tree: Any) -> Any:
+    """True where ``labels`` sends a leaf to Muon, False where to AdamW."""
+    return jax.tree.map(lambda label: label == "muon", labels(tree))

@@ -12,6 +12,7 @@ from flax import nnx
 import rudax.optim as ro
 from tests.optim._bad_input import rejects
 from tests.optim._harness import assert_matches_reference
+from tests.optim._injection import assert_bf16_keeps_fp32_hyperparameters, assert_injectable
 
 # The harness's leaves plus a wide matrix, so both Newton-Schulz orientations run.
 SHAPES = {
@@ -301,3 +302,225 @@ def test_empty_matrix_gets_an_empty_update(shape, matrix_layout):
     want, _ = jax.jit(tx.update)({k: grads[k] for k in full}, tx.init(full), full)
     for key in full:
         np.testing.assert_array_equal(np.asarray(updates[key]), np.asarray(want[key]))
+
+
+# ---------------------------------------------------------------------------------------------
+# mask=: torch parameter groups with weight_decay=0, in torch.optim.Muon and torch.optim.AdamW.
+
+torch = pytest.importorskip("torch", reason="torch is the reference (the test extra pins it)")
+
+
+def _torch_newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim._muon._zeropower_via_newtonschulz with ``grad.float()`` for its
+    ``grad.bfloat16()``: torch's iteration, in fp32 as ``ns_dtype=jnp.float32`` runs ours, so
+    the comparison is to fp32 rounding instead of bf16's."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+GROUP_PARAMS = {
+    "w": (3, 4),  # to Muon, decayed
+    "embed": (6, 4),  # to Muon, not decayed (a 2-D leaf the mask spares)
+    "b": (4,),  # to AdamW, not decayed
+    "norm": {"scale": (4,)},  # to AdamW, not decayed
+}
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        pytest.param({"w": True, "embed": False, "b": False, "norm": False}, id="prefix"),
+        pytest.param(
+            lambda p: jax.tree_util.tree_map_with_path(
+                lambda path, x: x.ndim == 2 and "embed" not in jax.tree_util.keystr(path), p
+            ),
+            id="callable",
+        ),
+    ],
+)
+def test_mask_is_a_torch_parameter_group_without_decay(mask, monkeypatch):
+    """torch.optim.Muon for the 2-D leaves and torch.optim.AdamW for the rest, each with a
+    weight_decay=0 group: the spared leaves still take their optimizer's step."""
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", _torch_newton_schulz_fp32)
+    rng = np.random.default_rng(0)
+    shapes = jax.tree.leaves(GROUP_PARAMS, is_leaf=lambda x: isinstance(x, tuple))
+    treedef = jax.tree.structure(GROUP_PARAMS, is_leaf=lambda x: isinstance(x, tuple))
+    params = treedef.unflatten([rng.standard_normal(s).astype(np.float32) for s in shapes])
+    grads = [
+        jax.tree.map(lambda p, t=t: (np.cos(t) + rng.standard_normal(p.shape)).astype(np.float32),
+                     params)
+        for t in range(6)
+    ]  # fmt: skip
+    tx = ro.muon(
+        0.05, weight_decay=0.5, matrix_layout="out_in", adamw_learning_rate=0.02,
+        adamw_b1=0.8, adamw_b2=0.9, adamw_weight_decay=0.3, ns_dtype=jnp.float32, mask=mask,
+    )  # fmt: skip
+    p = jax.tree.map(jnp.asarray, params)
+    state, update = tx.init(p), jax.jit(tx.update)
+    for g in grads:
+        updates, state = update(jax.tree.map(jnp.asarray, g), state, p)
+        p = optax.apply_updates(p, updates)
+
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in _flat(params).items()}
+    muon = torch.optim.Muon(
+        [{"params": [t["['w']"]]}, {"params": [t["['embed']"]], "weight_decay": 0.0}],
+        lr=0.05, weight_decay=0.5,
+    )  # fmt: skip
+    adamw = torch.optim.AdamW(
+        [{"params": [t["['b']"], t["['norm']['scale']"]], "weight_decay": 0.0}],
+        lr=0.02, betas=(0.8, 0.9), weight_decay=0.3,
+    )  # fmt: skip
+    for g in grads:
+        for k, v in _flat(g).items():
+            t[k].grad = torch.tensor(v)
+        muon.step()
+        adamw.step()
+    for k, v in _flat(p).items():
+        np.testing.assert_allclose(v, t[k].detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_mask_spares_a_muon_leaf_and_an_adamw_leaf_exactly():
+    # Bit for bit: a spared leaf's update is the one with weight_decay=0 (and
+    # adamw_weight_decay=0), a decayed leaf's the one with the decay.
+    params = {"w": jnp.linspace(-1, 1, 12).reshape(3, 4), "v": jnp.ones((2, 3)),
+              "b": jnp.linspace(0, 1, 4), "c": jnp.ones(3)}  # fmt: skip
+    grads = jax.tree.map(lambda x: jnp.cos(3.0 * x + 1.0), params)
+    mask = {"w": True, "v": False, "b": True, "c": False}
+    run = lambda **kw: ro.muon(0.05, ns_dtype=jnp.float32, **kw).update(
+        grads, ro.muon(0.05).init(params), params
+    )[0]
+    masked = run(weight_decay=0.5, adamw_weight_decay=0.3, mask=mask)
+    decayed = run(weight_decay=0.5, adamw_weight_decay=0.3)
+    spared = run(weight_decay=0.0, adamw_weight_decay=0.0)
+    for key, decays in mask.items():
+        np.testing.assert_array_equal(masked[key], (decayed if decays else spared)[key])
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "match"),
+    [
+        ({"w": 1, "b": False}, TypeError, r"muon: mask\['w'\] must be a Python bool"),
+        ({"w": True}, ValueError, "muon: mask must have the parameters' tree structure"),
+        (lambda p: [True, False], ValueError, "muon: mask must have"),
+    ],
+)
+def test_bad_decay_mask(mask, error, match):
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    with pytest.raises(error, match=match):
+        tx = ro.muon(0.02, mask=mask)
+        tx.update(params, tx.init(params), params)
+
+
+# ---------------------------------------------------------------------------------------------
+# inject_hyperparams.
+
+INJECT_PARAMS = {
+    "w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3),
+    "v": jnp.linspace(0.5, -2.0, 6).reshape(3, 2),
+    "b": jnp.array([0.5, -0.25]),
+    "c": jnp.array([1.0, 2.0, -1.0]),
+}
+STRUCTURAL = (
+    "nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn", "matrix_layout", "muon_mask",
+    "ns_dtype", "moment_dtype", "mask",
+)  # fmt: skip
+# Dyadic values, exact in float32 and in float64 alike (see test_adan.py's INJECT_KWARGS).
+INJECT_KWARGS = dict(
+    learning_rate=0.0625, weight_decay=0.25, momentum=0.875, eps=2.0**-20,
+    adamw_learning_rate=0.03125, adamw_b1=0.75, adamw_b2=0.9375, adamw_eps=2.0**-10,
+    adamw_weight_decay=0.125, ns_dtype=jnp.float32,
+)  # fmt: skip
+# eps at 64 exceeds the momentum's norm, so it sets the normalization: a value that matters.
+NEW_VALUES = dict(
+    learning_rate=0.125, weight_decay=0.5, momentum=0.5, eps=64.0, adamw_learning_rate=0.25,
+    adamw_b1=0.5, adamw_b2=0.5, adamw_eps=0.5, adamw_weight_decay=0.75,
+)  # fmt: skip
+
+
+# One matrix and one vector decay, one of each does not: every decay still matters.
+@pytest.mark.parametrize(
+    ("mask", "ns_dtype"),
+    [
+        pytest.param(None, jnp.float32, id="all-ns-f32"),
+        pytest.param({"w": True, "v": False, "b": False, "c": True}, jnp.float32, id="mask"),
+        pytest.param(None, jnp.bfloat16, id="all-ns-bf16"),
+    ],
+)
+def test_inject_hyperparams(mask, ns_dtype):
+    # Bit for bit: every hyperparameter meets the arrays as a weakly typed float32 scalar, as
+    # the plain optimizer's Python float does.
+    assert_injectable(
+        ro.muon,
+        {**INJECT_KWARGS, "ns_dtype": ns_dtype, "mask": mask},
+        INJECT_PARAMS,
+        optax_static_args=STRUCTURAL,
+        new_values=NEW_VALUES,
+    )
+
+
+@pytest.mark.parametrize("moment_dtype", [None, jnp.float32])
+def test_inject_hyperparams_bf16_params_keep_fp32_hyperparameters(moment_dtype):
+    assert_bf16_keeps_fp32_hyperparameters(
+        ro.muon, {**INJECT_KWARGS, "moment_dtype": moment_dtype}, INJECT_PARAMS
+    )
+
+
+def test_inject_without_static_args_names_the_fix():
+    tx = optax.inject_hyperparams(ro.muon)(learning_rate=0.02)
+    with pytest.raises(TypeError, match=r"muon: ns_steps .*static_args=\('ns_steps', \.\.\.\)"):
+        tx.init(INJECT_PARAMS)
+    # A dtype is a callable, which optax takes for a schedule.
+    tx = optax.inject_hyperparams(ro.muon, static_args="ns_steps")(learning_rate=0.02)
+    with pytest.raises(TypeError, match=r"muon: ns_dtype .*rudax.optim.inject_hyperparams"):
+        tx.init(INJECT_PARAMS)
+
+
+def test_scale_by_muon_is_injectable():
+    tx = ro.inject_hyperparams(ro.scale_by_muon)(momentum=0.5, ns_dtype=jnp.float32)
+    state = tx.init(INJECT_PARAMS["w"])
+    assert set(state.hyperparams) == {"momentum", "eps"}
+    u, _ = jax.jit(tx.update)(INJECT_PARAMS["w"], state)
+    plain = ro.scale_by_muon(momentum=0.5, ns_dtype=jnp.float32)
+    want, _ = jax.jit(plain.update)(INJECT_PARAMS["w"], plain.init(INJECT_PARAMS["w"]))
+    np.testing.assert_array_equal(u, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Complex parameters: Muon's leaves must be real; AdamW's follow AdamW.
+
+
+@pytest.mark.parametrize("where", ["init", "update"])
+def test_complex_muon_leaf_is_a_type_error_naming_it(where):
+    params = {"layer": {"w": jnp.ones((3, 2), jnp.complex64)}, "b": jnp.ones(2)}
+    tx = ro.muon(0.02)
+    match = r"muon: (parameter|gradient) \['layer'\]\['w'\] has dtype=complex64: Muon"
+    with pytest.raises(TypeError, match=match):
+        if where == "init":
+            tx.init(params)
+        else:
+            real = jax.tree.map(lambda x: jnp.real(x), params)
+            tx.update(params, tx.init(real), real)
+    with pytest.raises(TypeError, match=r"scale_by_muon: parameter \['w'\] has dtype=complex64"):
+        ro.scale_by_muon().init({"w": params["layer"]["w"]})
+
+
+def test_complex_adamw_leaf_is_stepped_as_adamw():
+    params = {"w": jnp.ones((3, 2)), "z": jnp.asarray([1 + 2j, -0.5j], jnp.complex64)}
+    grads = {"w": jnp.full((3, 2), 0.5), "z": jnp.asarray([0.25 - 1j, 2 + 0j], jnp.complex64)}
+    tx = ro.muon(0.02, adamw_learning_rate=0.1, adamw_weight_decay=0.2)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    adamw = ro.adamw(0.1, weight_decay=0.2)
+    want, _ = adamw.update(grads["z"], adamw.init(params["z"]), params["z"])
+    assert updates["z"].dtype == jnp.complex64
+    np.testing.assert_array_equal(updates["z"], want)
