@@ -30,7 +30,9 @@ from rudax._validation import (
     check_positive_int,
     float_dtype,
 )
+from rudax.optim._inject import static_arguments
 from rudax.optim._linesearch import check_wolfe_constants, scale_by_strong_wolfe
+from rudax.optim._muon import check_not_injected
 from rudax.optim._precision import compute_dtype, scale_by_learning_rate
 from rudax.optim._validation import check_gradients, check_learning_rate, check_tree_like
 
@@ -133,6 +135,20 @@ def _check_trees(updates: Any, state: ScaleByLBFGSState, params: Any) -> None:
         check_tree_like("lbfgs", f"state.{name}[i]", rows, "params", params)
 
 
+def _refuse_complex(what: str, tree: Any) -> None:
+    """A TypeError naming the first complex leaf, and what to pass instead."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"lbfgs: {what} {jax.tree_util.keystr(path)} has dtype={dtype}: L-BFGS takes "
+                "real parameters only. torch.optim.LBFGS optimizes a complex parameter as its "
+                "real view; do the same: optimize jnp.stack([z.real, z.imag], axis=-1) and "
+                "rebuild z = jax.lax.complex(x[..., 0], x[..., 1]) in the loss."
+            )
+
+
+@static_arguments("history_size", "history_dtype")
 def scale_by_lbfgs(
     history_size: int = 100,
     *,
@@ -184,6 +200,9 @@ def scale_by_lbfgs(
       Nocedal and Wright, Numerical Optimization, 2nd ed., 2006, Algorithms 7.4 and 7.5.
       torch.optim.LBFGS, https://pytorch.org/docs/stable/generated/torch.optim.LBFGS.html
     """
+    check_not_injected(
+        "scale_by_lbfgs", dict(history_size=history_size, history_dtype=history_dtype)
+    )
     check_positive_int("history_size", history_size)
     check_non_negative("tolerance_grad", tolerance_grad)
     check_non_negative("tolerance_change", tolerance_change)
@@ -192,6 +211,7 @@ def scale_by_lbfgs(
     def init_fn(params: optax.Params) -> ScaleByLBFGSState:
         if not jax.tree.leaves(params):
             raise ValueError(f"lbfgs: params has no array leaves, got params={params!r}")
+        _refuse_complex("parameter", params)
         check_floating_leaves("lbfgs: parameter", params)
         dtype = lambda p: jnp.result_type(p) if history_dtype is None else history_dtype
         zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype(p)), params)
@@ -214,6 +234,8 @@ def scale_by_lbfgs(
     ) -> tuple[optax.Updates, ScaleByLBFGSState]:
         if params is None:
             raise ValueError("lbfgs: update needs params (the memory stores parameter steps)")
+        _refuse_complex("gradient", updates)
+        _refuse_complex("parameter", params)
         check_floating_leaves("lbfgs: gradient", updates)
         _check_trees(updates, state, params)
         # The moment-dtype rule of rudax/optim/_precision.py: the memory keeps its dtype, each
@@ -279,6 +301,7 @@ def scale_by_lbfgs(
     return optax.GradientTransformation(init_fn, jax.jit(update_fn))
 
 
+@static_arguments("history_size", "line_search", "max_linesearch_steps", "history_dtype")
 def lbfgs(
     learning_rate: optax.ScalarOrSchedule = 1.0,
     *,
@@ -340,7 +363,12 @@ def lbfgs(
     Returns:
       An ``optax.GradientTransformationExtraArgs``: ``update(grads, state, params, *, value,
       grad, value_fn, **fn_kwargs)`` with the line search, ``update(grads, state, params)``
-      without.
+      without. Parameters must be real: a complex leaf is a TypeError naming its path (torch's
+      LBFGS optimizes a complex parameter as its real view; pass that view instead). Under
+      ``inject_hyperparams`` the floats (``learning_rate``, ``c1``, ``c2``, the tolerances) may
+      be injected; ``history_size``, ``line_search``, ``max_linesearch_steps`` and
+      ``history_dtype`` shape the program and are static (``rudax.optim.inject_hyperparams``
+      knows them; pass them as ``static_args`` to ``optax.inject_hyperparams``).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -372,6 +400,14 @@ def lbfgs(
       Nocedal and Wright, Numerical Optimization, 2nd ed., 2006, Algorithms 3.5, 3.6, 7.4, 7.5.
       torch.optim.LBFGS, https://pytorch.org/docs/stable/generated/torch.optim.LBFGS.html
     """
+    check_not_injected(
+        "lbfgs",
+        dict(
+            history_size=history_size,
+            max_linesearch_steps=max_linesearch_steps,
+            history_dtype=history_dtype,
+        ),
+    )
     check_learning_rate(learning_rate)
     if line_search not in _LINE_SEARCHES:
         raise ValueError(f"line_search must be 'strong_wolfe' or None, got {line_search=}")

@@ -11,6 +11,7 @@ extra arguments fail with an error that says how to pass them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,9 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_in_range, check_positive_int
+from rudax.optim._inject import static_arguments
+from rudax.optim._muon import check_not_injected
+from rudax.optim._precision import as_weak, compute_dtype
 from rudax.optim._validation import check_gradients, check_tree_like
 
 # Near a minimum, f(x + t u) - f(x) drops below the objective's rounding error (about 1e-7 |f|
@@ -29,10 +33,14 @@ _APPROX_DECREASE_RTOL = 1e-6
 
 
 def check_wolfe_constants(c1: Any, c2: Any) -> None:
-    """0 < c1 < c2 < 1: otherwise no step need satisfy both strong Wolfe conditions."""
-    check_in_range("c1", c1, 0.0, 1.0, low_inclusive=False)
-    check_in_range("c2", c2, 0.0, 1.0, low_inclusive=False)
-    if not float(c1) < float(c2):
+    """0 < c1 < c2 < 1: otherwise no step need satisfy both strong Wolfe conditions.
+
+    A traced constant (``optax.inject_hyperparams`` under ``jit``) cannot be compared; the
+    check then holds at ``init``, where the injected values are concrete.
+    """
+    low = check_in_range("c1", c1, 0.0, 1.0, low_inclusive=False)
+    high = check_in_range("c2", c2, 0.0, 1.0, low_inclusive=False)
+    if low is not None and high is not None and not low < high:
         raise ValueError(f"c2 must be larger than c1, got {c1=}, {c2=}")
 
 
@@ -44,6 +52,7 @@ def _vdot(a: Any, b: Any) -> jax.Array:
     return sum(jax.tree.leaves(terms), jnp.zeros((), jnp.float32))
 
 
+@static_arguments("max_linesearch_steps")
 def scale_by_strong_wolfe(
     c1: float = 1e-4,
     c2: float = 0.9,
@@ -89,6 +98,9 @@ def scale_by_strong_wolfe(
       value_fn, **fn_kwargs)`` takes the objective's value and gradient at ``params``, the
       objective ``value_fn(params, **fn_kwargs) -> scalar``, and its extra inputs. The state's
       ``value`` and ``grad`` are at the new parameters, for ``optax.value_and_grad_from_state``.
+      For bf16 or fp16 parameters the search (its step ``t``, the values and slopes) runs in
+      float32 and ``value_fn`` is evaluated at the trial points rounded to the parameters'
+      dtypes; the state's ``grad`` keeps the parameters' dtypes.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -107,15 +119,22 @@ def scale_by_strong_wolfe(
       Hager and Zhang, A new conjugate gradient method with guaranteed descent and an efficient
       line search, SIAM J. Optim. 16(1), 2005 (the approximate Wolfe conditions).
     """
+    check_not_injected("scale_by_strong_wolfe", dict(max_linesearch_steps=max_linesearch_steps))
     check_wolfe_constants(c1, c2)
     check_positive_int("max_linesearch_steps", max_linesearch_steps)
     zoom = optax.scale_by_zoom_linesearch(
         max_linesearch_steps=max_linesearch_steps,
-        slope_rtol=c1,
-        curv_rtol=c2,
+        slope_rtol=as_weak(c1),
+        curv_rtol=as_weak(c2),
         approx_dec_rtol=_APPROX_DECREASE_RTOL,
         initial_guess_strategy="one",
     )
+
+    def init_fn(params: optax.Params) -> Any:
+        # The search's step and value in float32 for bf16 and fp16 parameters, its stored
+        # gradient in the parameters' dtypes (what optax.value_and_grad_from_state returns).
+        state = zoom.init(_widen(params))
+        return state._replace(grad=optax.tree.cast_like(state.grad, params))
 
     def update_fn(
         updates: optax.Updates,
@@ -140,9 +159,18 @@ def scale_by_strong_wolfe(
         slope = _vdot(updates, grad)
 
         def search(state):
+            # optax's search keeps its step and value in the first parameter's dtype and mixes
+            # them with the others: bf16 steps, and a promotion strict mode refuses. It runs on
+            # the parameters, direction and gradient widened to float32 instead, and evaluates
+            # the objective at the trial points rounded back to the parameters' dtypes.
+            narrow = _widen(params) is not params
+            fn = _at_stored_dtypes(value_fn, params) if narrow else value_fn
+            wide_value = jnp.asarray(value).astype(state.value.dtype)
             new_updates, new_state = zoom.update(
-                updates, state, params, value=value, grad=grad, value_fn=value_fn, **fn_kwargs
-            )
+                _widen(updates), state, _widen(params), value=wide_value, grad=_widen(grad),
+                value_fn=fn, **fn_kwargs,
+            )  # fmt: skip
+            new_state = new_state._replace(grad=optax.tree.cast_like(new_state.grad, state.grad))
             return optax.tree.cast_like(new_updates, updates), new_state
 
         def skip(state):
@@ -158,4 +186,27 @@ def scale_by_strong_wolfe(
 
         return jax.lax.cond(slope < 0.0, search, skip, state)
 
-    return optax.GradientTransformationExtraArgs(zoom.init, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _widen(tree: Any) -> Any:
+    """Each leaf in the wider of its dtype and float32; ``tree`` itself if none is narrower."""
+    leaves, treedef = jax.tree.flatten(tree)
+    wide = [jnp.asarray(x).astype(compute_dtype(jnp.result_type(x), jnp.float32)) for x in leaves]
+    if all(w.dtype == jnp.result_type(x) for w, x in zip(wide, leaves, strict=True)):
+        return tree
+    return treedef.unflatten(wide)
+
+
+def _at_stored_dtypes(value_fn: Callable[..., jax.Array], params: Any) -> Callable[..., jax.Array]:
+    """value_fn of the widened parameters, rounded back to the dtypes of ``params``.
+
+    ``functools.wraps`` keeps ``value_fn``'s signature, from which optax picks the extra
+    keyword arguments that are the objective's.
+    """
+
+    @functools.wraps(value_fn)
+    def fn(wide: Any, **kwargs: Any) -> jax.Array:
+        return value_fn(optax.tree.cast_like(wide, params), **kwargs)
+
+    return fn

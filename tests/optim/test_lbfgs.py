@@ -13,6 +13,7 @@ import pytest
 import rudax.optim as ro
 from tests.optim._bad_input import rejects
 from tests.optim._harness import as_tree_kind, make_problem, run_optimizer
+from tests.optim._injection import assert_bf16_keeps_fp32_hyperparameters, assert_injectable
 
 # ----------------------------------------------------------------------------------------------
 # Numpy references, written from torch.optim.LBFGS's documented algorithm.
@@ -399,3 +400,117 @@ def test_update_without_params_or_loss_raises():
     tx = ro.lbfgs(line_search=None)
     with pytest.raises(ValueError, match="needs params"):
         tx.update(x, tx.init(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# inject_hyperparams: c1, c2, the tolerances and the learning rate traceable; the sizes static.
+
+INJECT_PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.array([0.5, -0.25])}
+STRUCTURAL = ("history_size", "line_search", "max_linesearch_steps", "history_dtype")
+
+
+def quartic(params, targets):
+    """sum (p - c)**2 (1 + p**2): not quadratic, so the line search has work to do."""
+    f32 = lambda x: x.astype(jnp.float32)
+    terms = jax.tree.map(
+        lambda p, c: jnp.sum(jnp.square(f32(p) - f32(c)) * (1.0 + jnp.square(f32(p)))),
+        params,
+        targets,
+    )
+    return sum(jax.tree.leaves(terms), jnp.zeros((), jnp.float32))
+
+
+# Dyadic values: exact in float32 and float64 alike, so the plain optimizer's Python floats and
+# the injected float32 arrays are the same numbers in every expression (test_adan.py).
+INJECT_KWARGS = dict(
+    learning_rate=0.75, c1=2.0**-10, c2=0.875, tolerance_grad=2.0**-20, tolerance_change=2.0**-30
+)
+# Each new value changes the run: a lr of 0.25 a shorter first trial; c1 = 0.75 rejects the
+# line's minimiser (a decrease of half the slope, on a nearly quadratic line); c2 = 0.0625 asks
+# for a flatter slope; a tolerance_grad of 16 stops at once (max|g| is about 11); a
+# tolerance_change of 64 sees no descent in any direction.
+NEW_VALUES = dict(
+    learning_rate=0.25, c1=0.75, c2=0.0625, tolerance_grad=16.0, tolerance_change=64.0
+)
+
+
+@pytest.mark.parametrize("line_search", ["strong_wolfe", None])
+def test_inject_hyperparams(line_search):
+    # Bit for bit: the tolerances and c1, c2 enter as float32 scalars either way (jnp.asarray
+    # in the memory's dtype; optax's line search in float32), the learning rate weakly typed.
+    assert_injectable(
+        ro.lbfgs,
+        {**INJECT_KWARGS, "line_search": line_search, "history_size": 4},
+        INJECT_PARAMS,
+        optax_static_args=STRUCTURAL,
+        new_values=NEW_VALUES,
+        line_search=line_search is not None,
+        objective=quartic,
+        inert=("c1", "c2") if line_search is None else (),
+    )
+
+
+def test_inject_hyperparams_bf16_params_keep_fp32_hyperparameters():
+    assert_bf16_keeps_fp32_hyperparameters(
+        ro.lbfgs,
+        {**INJECT_KWARGS, "history_dtype": jnp.float32},
+        INJECT_PARAMS,
+        line_search=True,
+        objective=quartic,
+    )
+
+
+def test_inject_without_static_args_names_the_fix():
+    tx = optax.inject_hyperparams(ro.lbfgs)()
+    with pytest.raises(TypeError, match=r"lbfgs: history_size .*static_args=\('history_size'"):
+        tx.init(INJECT_PARAMS)
+
+
+def test_injected_wolfe_constants_are_checked_at_init():
+    # Under jit the constants are tracers and cannot be compared; at init they are concrete.
+    tx = ro.inject_hyperparams(ro.lbfgs)(c1=0.5, c2=0.25)
+    with pytest.raises(ValueError, match="c2 must be larger than c1"):
+        tx.init(INJECT_PARAMS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Complex parameters: a TypeError that names the leaf and the real-view fix.
+
+
+@pytest.mark.parametrize("where", ["init", "update"])
+def test_complex_params_are_a_type_error_naming_the_path(where):
+    params = {"layer": {"z": jnp.ones((2,), jnp.complex64)}, "w": jnp.ones(2)}
+    tx = ro.lbfgs(line_search=None)
+    match = r"lbfgs: (parameter|gradient) \['layer'\]\['z'\] has dtype=complex64.*real view"
+    with pytest.raises(TypeError, match=match):
+        if where == "init":
+            tx.init(params)
+        else:
+            real = jax.tree.map(jnp.real, params)
+            tx.update(params, tx.init(real), real)
+
+
+def test_strong_wolfe_search_with_bf16_params():
+    # optax's zoom search would keep its step in bf16 and mix it with float32 values (which
+    # strict promotion refuses): it searches in float32 and evaluates the loss at bf16 points.
+    target = jnp.array([0.75, -1.5, 2.0], jnp.bfloat16)
+    seen = []
+
+    def loss(x):
+        seen.append(x.dtype)
+        return jnp.sum(jnp.square(x.astype(jnp.float32) - target.astype(jnp.float32)))
+
+    tx = ro.lbfgs(history_dtype=jnp.float32)
+    x = jnp.zeros(3, jnp.bfloat16)
+    state = tx.init(x)
+    assert optax.tree_utils.tree_get(state, "learning_rate").dtype == jnp.float32
+    value_and_grad = optax.value_and_grad_from_state(loss)
+    update = jax.jit(lambda g, s, x, v: tx.update(g, s, x, value=v, grad=g, value_fn=loss))
+    for _ in range(3):
+        value, grad = value_and_grad(x, state=state)
+        updates, state = update(grad, state, x, value)
+        assert updates.dtype == jnp.bfloat16
+        x = optax.apply_updates(x, updates)
+    assert set(seen) == {jnp.dtype(jnp.bfloat16)}
+    assert optax.tree_utils.tree_get(state, "grad").dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(target, np.float32))
