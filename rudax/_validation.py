@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import jax
+import jax.core
 import numpy as np
 
 # The values of every kernel's ``impl`` argument (``rudax.kernels._compat.resolve_impl``).
@@ -33,8 +34,14 @@ IMPLS = ("auto", "pallas", "xla")
 STORAGE_DTYPES = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 
 Accept = Literal["traced", "concrete", "static"]
+# The kinds under which a check returns a float, never None (the overloads say so).
+Untraced = Literal["concrete", "static"]
 
 
+@overload
+def as_float(name: str, value: Any, *, accept: Untraced) -> float: ...
+@overload
+def as_float(name: str, value: Any, *, accept: Accept = ...) -> float | None: ...
 def as_float(name: str, value: Any, *, accept: Accept = "traced") -> float | None:
     """value as a Python float, or None for a tracer under ``accept="traced"``.
 
@@ -47,16 +54,24 @@ def as_float(name: str, value: Any, *, accept: Accept = "traced") -> float | Non
         return float(value)
     if accept == "traced" and isinstance(value, jax.core.Tracer):
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number, got {name}={value!r}")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if not isinstance(value, np.ndarray | jax.Array):
         raise TypeError(f"{name} must be a real number, got {name}={value!r}")
     if accept == "concrete":
-        if isinstance(value, jax.core.Tracer) or np.ndim(value) != 0:
+        if isinstance(value, jax.core.Tracer) or value.ndim != 0:
             raise TypeError(f"{name} must be a concrete scalar, got {name}={value!r}")
-    elif np.ndim(value) != 0:
-        raise TypeError(f"{name} must be a scalar, got shape {np.shape(value)}: {name}={value!r}")
+    elif value.ndim != 0:
+        raise TypeError(f"{name} must be a scalar, got shape {value.shape}: {name}={value!r}")
     return float(value)
 
 
+@overload
+def check_finite(name: str, value: Any, *, accept: Untraced) -> float: ...
+@overload
+def check_finite(name: str, value: Any, *, accept: Accept = ...) -> float | None: ...
 def check_finite(name: str, value: Any, *, accept: Accept = "traced") -> float | None:
     """A finite real scalar; returns it as a float (None for a tracer under "traced")."""
     v = as_float(name, value, accept=accept)
@@ -65,6 +80,28 @@ def check_finite(name: str, value: Any, *, accept: Accept = "traced") -> float |
     return v
 
 
+@overload
+def check_in_range(
+    name: str,
+    value: Any,
+    low: float,
+    high: float | None = ...,
+    *,
+    low_inclusive: bool = ...,
+    high_inclusive: bool = ...,
+    accept: Untraced,
+) -> float: ...
+@overload
+def check_in_range(
+    name: str,
+    value: Any,
+    low: float,
+    high: float | None = ...,
+    *,
+    low_inclusive: bool = ...,
+    high_inclusive: bool = ...,
+    accept: Accept = ...,
+) -> float | None: ...
 def check_in_range(
     name: str,
     value: Any,
@@ -110,11 +147,19 @@ def _narrow_hint(value: Any) -> str:
     )
 
 
+@overload
+def check_non_negative(name: str, value: Any, *, accept: Untraced) -> float: ...
+@overload
+def check_non_negative(name: str, value: Any, *, accept: Accept = ...) -> float | None: ...
 def check_non_negative(name: str, value: Any, *, accept: Accept = "traced") -> float | None:
     """A finite scalar >= 0; returns it as a float (None for a tracer under "traced")."""
     return check_in_range(name, value, 0, accept=accept)
 
 
+@overload
+def check_positive(name: str, value: Any, *, accept: Untraced) -> float: ...
+@overload
+def check_positive(name: str, value: Any, *, accept: Accept = ...) -> float | None: ...
 def check_positive(name: str, value: Any, *, accept: Accept = "traced") -> float | None:
     """A finite scalar > 0; returns it as a float (None for a tracer under "traced")."""
     return check_in_range(name, value, 0, low_inclusive=False, accept=accept)
@@ -162,6 +207,14 @@ def check_impl(impl: Any) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
 
 
+@overload
+def float_dtype(
+    name: str, dtype: Any, *, allow_none: Literal[False], none_in_message: bool = ...
+) -> np.dtype: ...
+@overload
+def float_dtype(
+    name: str, dtype: Any, *, allow_none: bool = ..., none_in_message: bool = ...
+) -> np.dtype | None: ...
 def float_dtype(
     name: str, dtype: Any, *, allow_none: bool = True, none_in_message: bool = False
 ) -> np.dtype | None:
