@@ -33,8 +33,13 @@ from rudax._validation import (
     float_dtype,
 )
 from rudax.kernels._adamw_leaves import adamw_update_leaves
+from rudax.optim._adan import decay_flags
 from rudax.optim._clipping import clip_coefficient
+from rudax.optim._inject import static_arguments
+from rudax.optim._muon import check_not_injected
 from rudax.optim._precision import as_weak
+from rudax.optim._torch_chain import DecayMask
+from rudax.optim._torch_chain import _check_mask_leaf as check_mask_leaf
 from rudax.optim._validation import (
     check_gradients,
     check_learning_rate,
@@ -55,6 +60,22 @@ class FusedAdamWState(NamedTuple):
     num_skipped: jax.Array  # shape=(), int32: updates skipped since init
 
 
+def _refuse_complex(what: str, tree: Any) -> None:
+    """A TypeError naming the first complex leaf, and the optimizer that takes it."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"fused_adamw: {what} {jax.tree_util.keystr(path)} has dtype={dtype}: the fused "
+                "kernels store bfloat16, float16 or float32 only. rudax.optim.adamw takes "
+                "complex parameters (torch's real-view rule); chain it with "
+                "clip_by_global_norm, fp32_master and skip_nonfinite for the same update."
+            )
+
+
+@static_arguments(
+    "skip_nonfinite", "master_dtype", "hierarchical_stats", "impl", "interpret", "mask"
+)
 def fused_adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -68,6 +89,7 @@ def fused_adamw(
     hierarchical_stats: bool = False,
     impl: str = "auto",
     interpret: bool = False,
+    mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """AdamW with global-norm clipping, a non-finite skip and fp32 masters, fused.
 
@@ -127,13 +149,25 @@ def fused_adamw(
       impl: ``"auto"`` (the Pallas kernels on a GPU, XLA elsewhere), ``"pallas"`` or
         ``"xla"``.
       interpret: run the Pallas kernels in interpret mode, on any backend (for tests).
+      mask: which parameters decay, as in ``optax.add_decayed_weights``: a pytree of bools
+        like the parameters (or a prefix of it), or a callable of the parameters returning
+        one. A False leaf still gets its step, without the ``weight_decay * w`` term (torch's
+        parameter group with ``weight_decay=0``). None decays all.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a ``FusedAdamWState``. ``update``
       requires ``params``; updates come in each parameter's dtype. Every parameter leaf must
-      be bf16, fp16 or fp32 (a TypeError naming its path otherwise); the gradients and the
-      state's moments and masters must have the parameters' tree and shapes (a ValueError
-      naming the path and both shapes otherwise).
+      be bf16, fp16 or fp32 (a TypeError naming its path otherwise; a complex one too: the
+      kernels are real-only, and ``rudax.optim.adamw`` takes complex parameters on torch's
+      real view); the gradients and the state's moments and masters must have the
+      parameters' tree and shapes (a ValueError naming the path and both shapes otherwise).
+
+      Under ``inject_hyperparams`` the floats (``learning_rate``, the betas, ``eps``,
+      ``weight_decay``, and ``max_grad_norm`` when it is a number) may be injected;
+      ``skip_nonfinite``, ``master_dtype``, ``hierarchical_stats``, ``impl``, ``interpret``
+      and ``mask`` are static (``rudax.optim.inject_hyperparams`` knows them). A schedule
+      given to the injecting wrapper is evaluated at the wrapper's count, which counts skipped
+      updates too; given to ``fused_adamw`` itself it follows the applied updates.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -155,6 +189,7 @@ def fused_adamw(
       Training <https://arxiv.org/abs/1710.03740>`_, 2018; PyTorch, ``torch.optim.AdamW``
       and ``torch.nn.utils.clip_grad_norm_``.
     """
+    check_not_injected("fused_adamw", dict(master_dtype=master_dtype, mask=mask))
     check_learning_rate(learning_rate)
     check_in_range("b1", b1, 0.0, 1.0)
     check_in_range("b2", b2, 0.0, 1.0)
@@ -169,6 +204,10 @@ def fused_adamw(
     check_bool("hierarchical_stats", hierarchical_stats)
     check_impl(impl)
     check_bool("interpret", interpret)
+    if mask is not None and not callable(mask):
+        # Checked at construction too, so a typo fails before any data is loaded.
+        for path, keep in jax.tree_util.tree_flatten_with_path(mask)[0]:
+            check_mask_leaf("fused_adamw", path, keep)
     b1, b2, eps, weight_decay = (as_weak(x) for x in (b1, b2, eps, weight_decay))
     with_masters = master_dtype is not None
 
@@ -176,6 +215,7 @@ def fused_adamw(
         return with_masters and jnp.result_type(p) != jnp.float32
 
     def init_fn(params: Any) -> FusedAdamWState:
+        _refuse_complex("parameter", params)
         check_storage_dtypes("fused_adamw", params)
         moment_dtype = (lambda p: jnp.float32) if with_masters else jnp.result_type
         zeros = lambda: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), moment_dtype(p)), params)
@@ -200,6 +240,8 @@ def fused_adamw(
     ) -> tuple[Any, FusedAdamWState]:
         if params is None:
             raise ValueError("fused_adamw: update needs params (the stored parameters)")
+        _refuse_complex("parameter", params)
+        _refuse_complex("gradient", updates)
         check_storage_dtypes("fused_adamw", params)
         check_floating_leaves("fused_adamw: gradient", updates)
         check_gradients("fused_adamw", updates, params)
@@ -223,23 +265,34 @@ def fused_adamw(
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         count = optax.safe_increment(state.count)
         skipped = jnp.logical_not(finite) if skip_nonfinite else jnp.zeros((), jnp.bool_)
-        new_updates, exp_avg, exp_avg_sq, master = adamw_update_leaves(
-            [jnp.asarray(p) for p in param_leaves],
-            grads,
-            leaves(state.exp_avg),
-            leaves(state.exp_avg_sq),
-            leaves(state.master),
-            count=count,
-            learning_rate=lr,
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_scale=coefficient,
-            skip=skipped if skip_nonfinite else None,
-            impl=impl,
-            interpret=interpret,
-        )
+        exp_avgs, exp_avg_sqs, masters = (
+            leaves(state.exp_avg), leaves(state.exp_avg_sq), leaves(state.master)
+        )  # fmt: skip
+        operands = [jnp.asarray(p) for p in param_leaves], grads, exp_avgs, exp_avg_sqs, masters
+        # One kernel pass per leaf either way: the leaves mask spares form a second group whose
+        # decay is the number 0, which the kernel leaves out (torch's weight_decay=0 group).
+        flags = decay_flags(mask, params, owner="fused_adamw")
+        outs: list[Any] = [None] * len(param_leaves)
+        for decays, group_decay in ((True, weight_decay), (False, 0.0)):
+            group = [i for i, flag in enumerate(flags) if flag == decays]
+            if not group:
+                continue
+            results = adamw_update_leaves(
+                *([xs[i] for i in group] for xs in operands),
+                count=count,
+                learning_rate=lr,
+                b1=b1,
+                b2=b2,
+                eps=eps,
+                weight_decay=group_decay,
+                grad_scale=coefficient,
+                skip=skipped if skip_nonfinite else None,
+                impl=impl,
+                interpret=interpret,
+            )
+            for j, i in enumerate(group):
+                outs[i] = [column[j] for column in results]
+        new_updates, exp_avg, exp_avg_sq, master = ([out[k] for out in outs] for k in range(4))
         new_count = jnp.where(skipped, state.count, count) if skip_nonfinite else count
         return treedef.unflatten(new_updates), FusedAdamWState(
             count=new_count,

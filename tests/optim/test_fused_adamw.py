@@ -17,6 +17,7 @@ from tests.optim._harness import (
     halving,
     skip_by_cond,
 )
+from tests.optim._injection import assert_bf16_keeps_fp32_hyperparameters, assert_injectable
 
 # Pallas runs compiled on a GPU (benchmarks/gpu_check.sh), interpreted elsewhere.
 INTERPRET = jax.default_backend() != "gpu"
@@ -327,3 +328,184 @@ def test_bf16_storage_example_in_numbers():
     np.testing.assert_allclose(master, 1.0 - 30 * 1e-4, rtol=1e-6)  # Adam's first steps are lr
     # Plain bf16 steps of 1e-4 would leave 1.0 (half of bf16's spacing below 1 is 2**-9).
     assert float(trajectory[-1]["w"][0]) == float(ml_dtypes.bfloat16(master)) == 255 / 256
+
+
+# ---------------------------------------------------------------------------------------------
+# mask=: torch.optim.AdamW with a weight_decay=0 parameter group for the biases and norms.
+
+torch = pytest.importorskip("torch", reason="torch is the reference (the test extra pins it)")
+
+GROUP_SHAPES = {"w": (3, 4), "b": (4,), "norm": {"scale": (4,)}}
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _group_problem(num_steps, seed=0):
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(GROUP_SHAPES, is_leaf=lambda x: isinstance(x, tuple))
+    params = treedef.unflatten([rng.standard_normal(s).astype(np.float32) for s in leaves])
+    # Gradients that change sign and size, with a global norm near 4: a max_grad_norm of 1
+    # clips every step.
+    grads = [
+        jax.tree.map(lambda p, t=t: (np.cos(t) + rng.standard_normal(p.shape)).astype(np.float32),
+                     params)
+        for t in range(num_steps)
+    ]  # fmt: skip
+    return params, grads
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "mask",
+    [
+        pytest.param(lambda p: jax.tree.map(lambda x: x.ndim >= 2, p), id="callable"),
+        pytest.param({"w": True, "b": False, "norm": {"scale": False}}, id="tree"),
+        pytest.param({"w": True, "b": False, "norm": False}, id="prefix"),
+    ],
+)
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["no-clip", "clip"])
+def test_mask_is_a_torch_parameter_group_without_decay(mask, max_grad_norm, impl):
+    params, grads = _group_problem(8)
+    tx = ro.fused_adamw(
+        0.05, b1=0.8, b2=0.9, weight_decay=0.5, max_grad_norm=max_grad_norm, mask=mask,
+        impl=impl, interpret=INTERPRET,
+    )  # fmt: skip
+    got, _ = run(
+        tx, jax.tree.map(jnp.asarray, params), [jax.tree.map(jnp.asarray, g) for g in grads]
+    )
+
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in _flat(params).items()}
+    opt = torch.optim.AdamW(
+        [{"params": [t["['w']"]]},
+         {"params": [t["['b']"], t["['norm']['scale']"]], "weight_decay": 0.0}],
+        lr=0.05, betas=(0.8, 0.9), weight_decay=0.5,
+    )  # fmt: skip
+    for g in grads:
+        for k, v in _flat(g).items():
+            t[k].grad = torch.tensor(v)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(t.values()), max_grad_norm)
+        opt.step()
+    for k, v in _flat(got[-1]).items():
+        np.testing.assert_allclose(v, t[k].detach().numpy(), rtol=2e-5, atol=2e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_masked_leaves_step_exactly_as_without_decay(dtype):
+    # Bit for bit: a spared leaf's trajectory is weight_decay=0's, a decayed one the decay's,
+    # parameters, moments and masters alike.
+    params, grads = problem(6, dtype, seed=2)
+    mask = {"dense": {"kernel": True, "bias": False}, "scale": False}
+    make = lambda **kw: ro.fused_adamw(0.05, max_grad_norm=1.0, **kw)
+    masked, masked_state = run(make(weight_decay=0.5, mask=mask), params, grads)
+    decayed, decayed_state = run(make(weight_decay=0.5), params, grads)
+    spared, spared_state = run(make(weight_decay=0.0), params, grads)
+    for got, with_decay, without in zip(
+        [*masked, masked_state.exp_avg, masked_state.master],
+        [*decayed, decayed_state.exp_avg, decayed_state.master],
+        [*spared, spared_state.exp_avg, spared_state.master],
+        strict=True,
+    ):
+        want = {
+            "dense": {"kernel": with_decay["dense"]["kernel"], "bias": without["dense"]["bias"]},
+            "scale": without["scale"],
+        }
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(bits(a), bits(b)), got, want)
+
+
+def test_mask_matches_the_unfused_chain_with_bf16_masters():
+    params, grads = problem(10, jnp.bfloat16, seed=3)
+    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    hyper = dict(b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.3, mask=mask)
+    got, _ = run(ro.fused_adamw(1e-2, **hyper, max_grad_norm=1.0), params, grads)
+    want, _ = run(unfused(1e-2, jnp.bfloat16, 1.0, **hyper), params, grads)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close_trees(g, w, jnp.bfloat16, f"params after update {step + 1}:")
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "match"),
+    [
+        ({"dense": {"kernel": 1, "bias": False}, "scale": False}, TypeError, r"mask\['dense'\]"),
+        ({"dense": True}, ValueError, "fused_adamw: mask must have the parameters' tree"),
+        (lambda p: [True], ValueError, "fused_adamw: mask must have"),
+    ],
+)
+def test_bad_mask(mask, error, match):
+    params, grads = problem(1, jnp.float32)
+    with pytest.raises(error, match=match):
+        tx = ro.fused_adamw(0.1, mask=mask)
+        tx.update(grads[0], tx.init(params), params)
+
+
+# ---------------------------------------------------------------------------------------------
+# inject_hyperparams.
+
+STRUCTURAL = ("skip_nonfinite", "master_dtype", "hierarchical_stats", "impl", "interpret", "mask")
+INJECT_PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.array([0.5, -0.25])}
+# Dyadic values, exact in float32 and float64 alike (test_adan.py's INJECT_KWARGS).
+INJECT_KWARGS = dict(
+    learning_rate=0.0625, b1=0.875, b2=0.9375, eps=2.0**-10, weight_decay=0.25, max_grad_norm=2.0
+)
+# A max_grad_norm of 0.25 clips these gradients (their norm is about 1.5); 2.0 does not.
+NEW_VALUES = dict(
+    learning_rate=0.125, b1=0.5, b2=0.75, eps=0.5, weight_decay=0.75, max_grad_norm=0.25
+)
+
+
+@pytest.mark.parametrize("mask", [None, {"w": True, "b": False}], ids=["all", "mask"])
+def test_inject_hyperparams(mask):
+    # Bit for bit: the kernel derives its per-step scalars in float32 from either kind.
+    assert_injectable(
+        ro.fused_adamw,
+        {**INJECT_KWARGS, "mask": mask},
+        INJECT_PARAMS,
+        optax_static_args=STRUCTURAL,
+        new_values=NEW_VALUES,
+    )
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_state_structure_is_the_same_with_and_without_clipping(max_grad_norm):
+    params = INJECT_PARAMS
+    plain = jax.tree.structure(ro.fused_adamw(0.1, max_grad_norm=max_grad_norm).init(params))
+    for wrap in (optax.inject_hyperparams(ro.fused_adamw, static_args=STRUCTURAL),
+                 ro.inject_hyperparams(ro.fused_adamw)):  # fmt: skip
+        state = wrap(0.1, max_grad_norm=max_grad_norm).init(params)
+        assert jax.tree.structure(state.inner_state) == plain
+        assert ("max_grad_norm" in state.hyperparams) == (max_grad_norm is not None)
+    unclipped = ro.fused_adamw(0.1).init(params)
+    assert jax.tree.structure(unclipped) == plain
+
+
+@pytest.mark.parametrize("master_dtype", [jnp.float32, None])
+def test_inject_hyperparams_bf16_params_keep_fp32_hyperparameters(master_dtype):
+    assert_bf16_keeps_fp32_hyperparameters(
+        ro.fused_adamw, {**INJECT_KWARGS, "master_dtype": master_dtype}, INJECT_PARAMS
+    )
+
+
+def test_inject_without_static_args_names_the_fix():
+    # A dtype is a callable, which optax takes for a schedule.
+    tx = optax.inject_hyperparams(ro.fused_adamw)(learning_rate=0.1)
+    with pytest.raises(TypeError, match=r"fused_adamw: master_dtype .*static_args"):
+        tx.init(INJECT_PARAMS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Complex parameters: real-only kernels, a TypeError naming the leaf and rudax.optim.adamw.
+
+
+@pytest.mark.parametrize("where", ["init", "update"])
+def test_complex_params_are_a_type_error_naming_the_path(where):
+    params = {"layer": {"z": jnp.ones((2,), jnp.complex64)}, "w": jnp.ones(2)}
+    tx = ro.fused_adamw(0.1)
+    match = r"fused_adamw: (parameter|gradient) \['layer'\]\['z'\] has dtype=complex64.*adamw"
+    with pytest.raises(TypeError, match=match):
+        if where == "init":
+            tx.init(params)
+        else:
+            real = jax.tree.map(jnp.real, params)
+            tx.update(params, tx.init(real), real)
