@@ -281,7 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument("--warmup", type=non_negative_int, default=15, help="linear warmup updates")
     opt.add_argument(
-        "--weight-decay", type=non_negative_float, default=0.1, help="decoupled weight decay"
+        "--weight-decay",
+        type=non_negative_float,
+        default=0.1,
+        help="decoupled weight decay of the weight matrices (attention, MLP, MoE router and "
+        "experts); norm scales and the embedding (the tied head) are not decayed (but with "
+        "fused_adamw, which has no mask yet)",
     )
     opt.add_argument("--beta1", type=unit_interval, default=0.9, help="Adam's b1")
     opt.add_argument("--beta2", type=unit_interval, default=0.95, help="Adam's b2")

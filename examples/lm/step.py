@@ -87,32 +87,63 @@ def make_schedule(args: argparse.Namespace, peak: float) -> optax.Schedule:
     )
 
 
+def decay_mask(params: Any) -> Any:
+    """Which parameters weight decay shrinks: the weight matrices, not norms, biases or embedding.
+
+    True for every leaf of logical rank >= 2 outside the embedding: the attention and MLP
+    matrices, the MoE router and the stacked 3-D experts. False for norm scales and biases
+    (rank 1) and for the embedding, which is also the tied output head: torch's parameter
+    group with ``weight_decay=0``, as minGPT, modded-nanogpt and OLMo 2 leave them. Decay
+    there shrinks per-channel gains and the logits' scale rather than limiting how the
+    matrices fit.
+
+    A ``ShardedParameter`` (FSDP) counts as one leaf, its rank its logical shape's: the mask is
+    a prefix of the parameters' tree, which ``mask=`` takes as optax does (a bool covers its
+    subtree).
+
+    Args:
+      params: the model's ``nnx.Param`` state, plain or FSDP-sharded.
+
+    Returns:
+      The parameters' tree with a Python bool where each parameter (or ShardedParameter) is.
+
+    Example:
+      >>> from flax import nnx
+      >>> from examples.lm.model import GPT, GPTConfig
+      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+      >>> params = nnx.state(GPT(config, rngs=nnx.Rngs(0)), nnx.Param)
+      >>> mask = decay_mask(params)
+      >>> mask["embed"]["embedding"].get_value(), mask["norm"]["scale"].get_value()
+      (False, False)
+      >>> mask["blocks"][0]["attn"]["qkv"]["kernel"].get_value()
+      True
+    """
+    return _labels(params, lambda path, x: _logical_ndim(x) >= 2 and "['embed']" not in path)
+
+
 def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
     """The update rule of ``--optimizer``, with clipping and fp32 masters of the bf16 storage.
 
-    * ``adamw``: ``fp32_master(chain(clip_by_global_norm, partition(adamw)))``, weight decay on
-      matrices and the embedding only (norm scales are not decayed, as in GPT-2/nanoGPT).
-    * ``muon``: Muon on the blocks' 2-D matrices (attention, MLP); AdamW without decay on the
-      rest (embedding/tied head, norms, MoE router and the stacked 3-D experts), as Keller
-      Jordan's modded-nanogpt splits them.
+    Decoupled weight decay (``--weight-decay``) shrinks only what :func:`decay_mask` selects,
+    whichever optimizer steps it: the attention and MLP matrices, the MoE router and experts;
+    norm scales and the embedding (the tied head) get their step without decay (but with
+    ``fused_adamw``, below).
+
+    * ``adamw``: ``fp32_master(chain(clip_by_global_norm, adamw(mask=decay_mask)))``.
+    * ``muon``: Muon on the blocks' 2-D matrices (attention, MLP), AdamW on the rest
+      (embedding/tied head, norms, MoE router and the stacked 3-D experts), as Keller
+      Jordan's modded-nanogpt splits them; both decay by ``decay_mask``. On the dense model
+      AdamW's leaves are the embedding and the norms, so it decays nothing, as modded-nanogpt's
+      Adam; with ``--moe`` the router and the experts decay as the dense MLP's matrices do.
     * ``fused_adamw``: ``rudax.optim.fused_adamw`` with clipping and masters built in; it has
-      no decay mask, so norm scales are decayed too.
+      no decay mask yet, so norm scales and the embedding are decayed too.
     """
     lr = make_schedule(args, args.lr)
     adam = dict(b1=args.beta1, b2=args.beta2, eps=args.eps)
     if args.optimizer == "fused_adamw":
         return ro.fused_adamw(lr, weight_decay=args.weight_decay, max_grad_norm=args.clip, **adam)
     if args.optimizer == "adamw":
-        decayed = lambda params: _labels(
-            params, lambda _, x: "decay" if _logical_ndim(x) >= 2 else "no_decay"
-        )
-        inner = optax.partition(
-            {
-                "decay": ro.adamw(lr, weight_decay=args.weight_decay, **adam),
-                "no_decay": ro.adamw(lr, weight_decay=0.0, **adam),
-            },
-            decayed,
-        )
+        inner = ro.adamw(lr, weight_decay=args.weight_decay, mask=decay_mask, **adam)
     else:
         matrices = lambda params: _labels(
             params,
@@ -126,7 +157,8 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
             adamw_b1=args.beta1,
             adamw_b2=args.beta2,
             adamw_eps=args.eps,
-            adamw_weight_decay=0.0,
+            adamw_weight_decay=args.weight_decay,
+            mask=decay_mask,
         )
     return ro.fp32_master(optax.chain(ro.clip_by_global_norm(args.clip), inner))
 

@@ -1,0 +1,234 @@
+"""examples.lm.step.decay_mask and its use by every ``--optimizer``: what weight decay shrinks.
+
+The mask is checked leaf by leaf against a table written out here, for the dense and the MoE
+model and for the FSDP-sharded one (a ``ShardedParameter`` one leaf of the mask). The
+optimizers are checked by what they do, several updates in: with zero gradients Adam's and
+Muon's directions are 0, so a decayed parameter is its initial value times
+``prod_t (1 - lr_t wd)`` and a spared one stays put; with real gradients a spared parameter
+moves exactly as with ``--weight-decay 0``. On the dense model Muon's recipe is unchanged:
+AdamW's part holds only the embedding and the norms, which decay nowhere.
+"""
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import rudax.optim as ro
+import rudax.sharding as rs
+from examples.lm import step
+from examples.lm.config import build_parser
+from examples.lm.model import GPT, shard
+from examples.lm.step import decay_mask, make_optimizer, make_schedule, model_config, place
+
+SMALL = ["--vocab-size=64", "--seq-len=8", "--d-model=16", "--n-layers=1", "--n-heads=2"]
+MOE = ["--moe", "--num-experts=4", "--top-k=2"]
+# Peak lr from the first update (no warmup), fp32 storage so the parameters are the masters.
+OPT = ["--warmup=0", "--steps=8", "--lr=1e-2", "--muon-lr=0.05", "--weight-decay=0.1"]
+FP32 = ["--param-dtype=float32"]
+UPDATES = 3
+
+# Every parameter of the 1-block models and whether it decays.
+DENSE_MASK = {
+    "['embed']['embedding']": False,
+    "['norm']['scale']": False,
+    "['blocks'][0]['attn_norm']['scale']": False,
+    "['blocks'][0]['mlp_norm']['scale']": False,
+    "['blocks'][0]['attn']['qkv']['kernel']": True,
+    "['blocks'][0]['attn']['out']['kernel']": True,
+    "['blocks'][0]['mlp']['gate']['kernel']": True,
+    "['blocks'][0]['mlp']['up']['kernel']": True,
+    "['blocks'][0]['mlp']['down']['kernel']": True,
+}
+MOE_MASK = {
+    **{k: v for k, v in DENSE_MASK.items() if "['mlp']" not in k},
+    "['blocks'][0]['mlp']['router']['kernel']": True,
+    "['blocks'][0]['mlp']['w_gate']": True,
+    "['blocks'][0]['mlp']['w_up']": True,
+    "['blocks'][0]['mlp']['w_down']": True,
+}
+# FSDP's modules hold their parameters as ['variables'][i]; the MoE MLP's are the router,
+# then w_down, w_gate, w_up (sorted names), the dense MLP's down, gate, up.
+FSDP_MOE_MASK = {
+    "['embed']['variables'][0]": False,
+    "['norm']['variables'][0]": False,
+    "['blocks'][0]['attn_norm']['variables'][0]": False,
+    "['blocks'][0]['mlp_norm']['variables'][0]": False,
+    "['blocks'][0]['attn']['qkv']['variables'][0]": True,
+    "['blocks'][0]['attn']['out']['variables'][0]": True,
+    **{f"['blocks'][0]['mlp']['variables'][{i}]": True for i in range(4)},
+}
+# What --optimizer muon steps with Muon in the MoE model; the rest goes to its AdamW.
+MOE_MUON_TAKES = {
+    "['blocks'][0]['attn']['qkv']['kernel']",
+    "['blocks'][0]['attn']['out']['kernel']",
+}
+
+
+def _args(*flags):
+    return build_parser().parse_args([*SMALL, *OPT, *flags])
+
+
+def _params(args, mesh=None):
+    model = GPT(model_config(args), rngs=nnx.Rngs(0))
+    if mesh is not None:
+        model = shard(model, rs.ShardingContext(mesh, "fsdp"), compute_dtype=jnp.float32)
+    return place(nnx.state(model, nnx.Param), mesh)
+
+
+def _by_path(tree, is_leaf=None):
+    """{path without the trailing .value: leaf} of an nnx.State."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    return {jax.tree_util.keystr(path).removesuffix(".value"): x for path, x in flat}
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+
+
+def _run(tx, params, grads, updates=UPDATES):
+    """The parameters after `updates` updates with the same gradients each time."""
+    update = jax.jit(lambda p, s: tx.update(grads, s, p))
+    state = tx.init(params)
+    for _ in range(updates):
+        u, state = update(params, state)
+        params = optax.apply_updates(params, u)
+    return params
+
+
+def _gradients(params):
+    """Gradients of 0.01 standard deviation, in each parameter's dtype."""
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+    return jax.tree.map(
+        lambda p: (1e-2 * jax.random.normal(next(keys), p.shape)).astype(p.dtype), params
+    )
+
+
+def _shrink(args, peak):
+    """prod_{t=1..UPDATES} (1 - lr_t wd) in float64, lr_t the schedule's value at t - 1."""
+    schedule = make_schedule(args, peak)
+    lrs = [float(schedule(t)) for t in range(UPDATES)]
+    return float(np.prod([1.0 - lr * args.weight_decay for lr in lrs]))
+
+
+@pytest.mark.parametrize("flags, want", [([], DENSE_MASK), (MOE, MOE_MASK)], ids=["dense", "moe"])
+def test_mask_decays_the_matrices_not_the_norms_or_the_embedding(flags, want):
+    params = _params(_args(*flags))
+    assert _by_path(decay_mask(params)) == want
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_mask_over_fsdp_has_one_bool_per_sharded_parameter():
+    params = _params(_args(*MOE), _mesh())
+    mask = decay_mask(params)
+    assert _by_path(mask) == FSDP_MOE_MASK
+    # A prefix of the parameters' tree: each bool stands where a ShardedParameter does.
+    covered = jax.tree.structure(mask).flatten_up_to(params)
+    assert all(isinstance(x, rs.ShardedParameter) for x in covered)
+
+
+def _expected_shrink(args, path):
+    """What UPDATES zero-gradient updates multiply the MoE parameter at `path` by (1: spared)."""
+    if not MOE_MASK[path]:
+        return 1.0
+    # Muon takes the attention's matrices, at its own lr; AdamW the router and the experts.
+    muon = args.optimizer == "muon" and path in MOE_MUON_TAKES
+    return _shrink(args, args.muon_lr if muon else args.lr)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_zero_gradients_shrink_decayed_parameters_and_leave_the_rest(optimizer):
+    # The MoE model has every kind of parameter but the dense MLP's, which
+    # test_dense_muon_is_modded_nanogpts_recipe_bit_for_bit covers.
+    args = _args(f"--optimizer={optimizer}", *FP32, *MOE)
+    params = _params(args)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    before, after = _by_path(params), _by_path(_run(make_optimizer(args), params, zeros))
+    assert before.keys() == MOE_MASK.keys()
+    for path, p0 in before.items():
+        p0 = np.asarray(p0, np.float64)
+        factor = _expected_shrink(args, path)
+        if factor == 1.0:
+            np.testing.assert_array_equal(after[path], p0, err_msg=path)
+        else:
+            assert factor < 0.999  # the decay is large enough to see
+            np.testing.assert_allclose(after[path], p0 * factor, rtol=1e-6, err_msg=path)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_spared_parameters_step_as_without_weight_decay(optimizer):
+    args = _args(f"--optimizer={optimizer}", *FP32, *MOE)
+    no_decay = build_parser().parse_args([*SMALL, *OPT, *FP32, *MOE, f"--optimizer={optimizer}"])
+    no_decay.weight_decay = 0.0
+    params = _params(args)
+    grads = _gradients(params)
+    decayed = _by_path(_run(make_optimizer(args), params, grads))
+    spared = _by_path(_run(make_optimizer(no_decay), params, grads))
+    before = _by_path(params)
+    for path, decays in MOE_MASK.items():
+        assert not np.array_equal(decayed[path], before[path]), path  # every leaf steps
+        if decays:
+            assert not np.array_equal(decayed[path], spared[path]), path
+        else:
+            np.testing.assert_array_equal(decayed[path], spared[path], err_msg=path)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("optimizer", ["adamw"])
+def test_fsdp_zero_gradients_shrink_only_the_masked_in_sharded_parameters(optimizer):
+    args = _args(f"--optimizer={optimizer}", *FP32, *MOE)
+    params = _params(args, _mesh())
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    is_sharded = lambda x: isinstance(x, rs.ShardedParameter)
+    before = _by_path(params, is_sharded)
+    after = _by_path(_run(make_optimizer(args), params, zeros), is_sharded)
+    factor = _shrink(args, args.lr)
+    for path, decays in FSDP_MOE_MASK.items():
+        p0, p3 = np.asarray(before[path].local, np.float64), np.asarray(after[path].local)
+        if decays:
+            np.testing.assert_allclose(p3, p0 * factor, rtol=1e-6, err_msg=path)
+        else:
+            np.testing.assert_array_equal(p3, p0, err_msg=path)
+
+
+def test_dense_muon_is_modded_nanogpts_recipe_bit_for_bit():
+    """On the dense model AdamW's part holds the embedding and the norms: no decay there, as
+    modded-nanogpt's Adam (and this trainer's muon before decay_mask), to the bit."""
+    args = _args("--optimizer=muon")  # bf16 storage with fp32 masters, the main job's
+    params = _params(args)
+    keystr = jax.tree_util.keystr
+    matrices = lambda ps: jax.tree_util.tree_map_with_path(
+        lambda path, x: x.ndim == 2 and "embed" not in keystr(path), ps
+    )
+    plain = ro.fp32_master(
+        optax.chain(
+            ro.clip_by_global_norm(args.clip),
+            ro.muon(
+                make_schedule(args, args.muon_lr),
+                weight_decay=args.weight_decay,
+                muon_mask=matrices,
+                adamw_learning_rate=make_schedule(args, args.lr),
+                adamw_b1=args.beta1,
+                adamw_b2=args.beta2,
+                adamw_eps=args.eps,
+                adamw_weight_decay=0.0,
+            ),
+        )
+    )
+    grads = _gradients(params)
+    got, want = (
+        _by_path(_run(make_optimizer(args), params, grads)),
+        _by_path(_run(plain, params, grads)),
+    )
+    assert got.keys() == DENSE_MASK.keys() and got["['norm']['scale']"].dtype == jnp.bfloat16
+    for path, x in want.items():
+        np.testing.assert_array_equal(got[path], x, err_msg=path)
+
+
+def test_docstring_example():
+    assert doctest.testmod(step, raise_on_error=True).attempted > 0
