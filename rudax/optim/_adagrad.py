@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_non_negative
+from rudax.optim._base import safe_increment, transformation
 from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype
 from rudax.optim._torch_chain import DecayMask, torch_chain
@@ -23,7 +24,10 @@ from rudax.optim._validation import check_learning_rate
 class ScaleByTorchAdagradState(NamedTuple):
     """State of ``scale_by_torch_adagrad``; field names are torch's ``Adagrad`` state keys."""
 
-    count: jax.Array  # shape=(), int32: completed updates, for lr_decay
+    # shape=(), int32: completed updates, for lr_decay.
+    # Named as optax names its counts, so optax.tree.get(state, "count") finds it; mypy
+    # reports the field for overriding tuple.count (a method), as optax's states override it.
+    count: jax.Array  # type: ignore[assignment]
     sum: Any  # like params: initial_accumulator_value plus the sum of squared gradients
 
 
@@ -76,9 +80,9 @@ def scale_by_torch_adagrad(
         new_updates, sums = map_in_compute_dtype(
             leaf, updates, state.sum, owner="scale_by_torch_adagrad", names=("sum",)
         )
-        return new_updates, ScaleByTorchAdagradState(optax.safe_increment(state.count), sums)
+        return new_updates, ScaleByTorchAdagradState(safe_increment(state.count), sums)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return transformation(init_fn, update_fn)
 
 
 @static_arguments("moment_dtype", "mask")

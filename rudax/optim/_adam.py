@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
+from rudax.optim._base import safe_increment, transformation
 from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype
 from rudax.optim._torch_chain import DecayMask, torch_chain
@@ -28,14 +29,18 @@ from rudax.optim._validation import check_learning_rate
 def _log(decay: Any) -> Any:
     """log(decay), in float64 when decay is known at construction (log(0) = -inf)."""
     if isinstance(decay, numbers.Real):
-        return math.log(decay) if decay > 0 else -math.inf
+        value = float(decay)
+        return math.log(value) if value > 0 else -math.inf
     return jnp.log(decay)
 
 
 class ScaleByTorchAdamState(NamedTuple):
     """State of ``scale_by_torch_adam``; field names are torch's ``Adam`` state keys."""
 
-    count: jax.Array  # shape=(), int32: completed updates, saturating at 2**31 - 1
+    # shape=(), int32: completed updates, saturating at 2**31 - 1.
+    # Named as optax names its counts, so optax.tree.get(state, "count") finds it; mypy
+    # reports the field for overriding tuple.count (a method), as optax's states override it.
+    count: jax.Array  # type: ignore[assignment]
     exp_avg: Any  # like params: first moment m
     exp_avg_sq: Any  # like params: second moment v
     max_exp_avg_sq: Any  # like params: running max of v when amsgrad, else None
@@ -87,7 +92,7 @@ def scale_by_torch_adam(
         updates: Any, state: ScaleByTorchAdamState, params: Any = None
     ) -> tuple[Any, ScaleByTorchAdamState]:
         del params
-        count = optax.safe_increment(state.count)
+        count = safe_increment(state.count)
         t = count.astype(jnp.float32)
         # The bias corrections are scalars: multiplying by their reciprocals (one scalar
         # division each) leaves one division per element instead of three. The step is
@@ -114,7 +119,7 @@ def scale_by_torch_adam(
         max_exp_avg_sq = v_max[0] if amsgrad else None
         return new_updates, ScaleByTorchAdamState(count, exp_avg, exp_avg_sq, max_exp_avg_sq)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return transformation(init_fn, update_fn)
 
 
 @static_arguments("amsgrad", "moment_dtype", "mask")

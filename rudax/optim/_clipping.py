@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_floating_leaves, check_positive
+from rudax.optim._base import transformation
 from rudax.optim._validation import check_gradients
 
 # torch adds this to the norm before dividing, so a zero gradient never divides by zero.
@@ -115,7 +116,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         updates = jax.tree.map(lambda g: _scale(g, coefficient), updates)
         return updates, ClipByGlobalNormState(global_norm=norm)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return transformation(init_fn, update_fn)
 
 
 def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
@@ -158,4 +159,4 @@ def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
         check_gradients("clip_per_parameter", updates, params)
         return jax.tree.map(lambda g: clip_leaf_by_norm(g, max_norm), updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    return transformation(optax.init_empty_state, update_fn)

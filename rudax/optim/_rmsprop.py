@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
+from rudax.optim._base import transformation
 from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype
 from rudax.optim._sgd import scale_by_torch_momentum
@@ -74,17 +75,17 @@ def scale_by_torch_rms(
             return g / (jnp.sqrt(variance) + eps), v, *a
 
         names = ("square_avg", *(["grad_avg"] if centered else []))
-        new_updates, square_avg, *grad_avg = map_in_compute_dtype(
+        new_updates, square_avg, *centered_avg = map_in_compute_dtype(
             leaf,
             updates,
             *(getattr(state, n) for n in names),
             owner="scale_by_torch_rms",
             names=names,
         )
-        grad_avg = grad_avg[0] if centered else None
+        grad_avg = centered_avg[0] if centered else None
         return new_updates, ScaleByTorchRMSState(square_avg, grad_avg)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return transformation(init_fn, update_fn)
 
 
 @static_arguments("centered", "moment_dtype", "mask")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
+from rudax.optim._base import safe_increment, transformation
 from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype
 from rudax.optim._torch_chain import DecayMask, known_zero, static_nonzero, torch_chain
@@ -24,7 +25,10 @@ from rudax.optim._validation import check_learning_rate
 class ScaleByTorchMomentumState(NamedTuple):
     """State of ``scale_by_torch_momentum``."""
 
-    count: jax.Array  # shape=(), int32: completed updates; 0 selects the first-step rule
+    # shape=(), int32: completed updates; 0 selects the first-step rule.
+    # Named as optax names its counts, so optax.tree.get(state, "count") finds it; mypy
+    # reports the field for overriding tuple.count (a method), as optax's states override it.
+    count: jax.Array  # type: ignore[assignment]
     momentum_buffer: Any  # like params: torch's "momentum_buffer"; None when momentum is 0
 
 
@@ -65,7 +69,7 @@ def scale_by_torch_momentum(
         updates: Any, state: ScaleByTorchMomentumState, params: Any = None
     ) -> tuple[Any, ScaleByTorchMomentumState]:
         del params
-        count = optax.safe_increment(state.count)
+        count = safe_increment(state.count)
         if state.momentum_buffer is None:
             return updates, ScaleByTorchMomentumState(count, None)
         first = state.count == 0
@@ -83,7 +87,7 @@ def scale_by_torch_momentum(
         )
         return new_updates, ScaleByTorchMomentumState(count, buffer)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return transformation(init_fn, update_fn)
 
 
 def _check_momentum(momentum: Any, dampening: Any, nesterov: Any) -> None:
