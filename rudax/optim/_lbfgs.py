@@ -209,7 +209,10 @@ def scale_by_lbfgs(
     float_dtype("history_dtype", history_dtype, none_in_message=True)
 
     def init_fn(params: optax.Params) -> ScaleByLBFGSState:
-        if not jax.tree.leaves(params):
+        # optax.tree.map_params initializes on a stand-in for the parameters, a pytree without
+        # leaves, to find the state's parameter-shaped trees; only a real empty tree is refused.
+        stand_in = type(params).__name__ == "_ParamsPlaceholder"
+        if not jax.tree.leaves(params) and not stand_in:
             raise ValueError(f"lbfgs: params has no array leaves, got params={params!r}")
         _refuse_complex("parameter", params)
         check_floating_leaves("lbfgs: parameter", params)

@@ -133,7 +133,12 @@ def scale_by_strong_wolfe(
     def init_fn(params: optax.Params) -> Any:
         # The search's step and value in float32 for bf16 and fp16 parameters, its stored
         # gradient in the parameters' dtypes (what optax.value_and_grad_from_state returns).
-        state = zoom.init(_widen(params))
+        wide = _widen(params)
+        if not jax.tree.leaves(wide):
+            # optax.tree.map_params's stand-in for the parameters, a pytree without leaves:
+            # optax's init would read the first leaf's dtype. The stand-in marks ``grad``.
+            return zoom.init(jnp.zeros((), jnp.float32))._replace(grad=params)
+        state = zoom.init(wide)
         return state._replace(grad=optax.tree.cast_like(state.grad, params))
 
     def update_fn(

@@ -514,3 +514,17 @@ def test_strong_wolfe_search_with_bf16_params():
     assert set(seen) == {jnp.dtype(jnp.bfloat16)}
     assert optax.tree_utils.tree_get(state, "grad").dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(target, np.float32))
+
+
+def test_tree_map_params_finds_the_parameter_shaped_state():
+    # optax.tree.map_params initializes on a stand-in for the parameters: the memory's
+    # previous iterate and gradient and the line search's gradient are parameter-shaped.
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(2)}
+    tx = ro.lbfgs(history_size=3)
+    state = tx.init(params)
+    mapped = optax.tree.map_params(tx, lambda p: p + 1.0, state)
+    lbfgs_state, search_state = mapped[0], mapped[2]
+    for tree in (lbfgs_state.prev_params, lbfgs_state.prev_grads, search_state.grad):
+        jax.tree.map(lambda x, p: np.testing.assert_array_equal(x, jnp.ones_like(p)), tree, params)
+    np.testing.assert_array_equal(lbfgs_state.rho, state[0].rho)  # not parameter-shaped
+    assert float(search_state.learning_rate) == float(state[2].learning_rate)
