@@ -90,7 +90,7 @@ def fused_adamw(
     impl: str = "auto",
     interpret: bool = False,
     mask: DecayMask = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """AdamW with global-norm clipping, a non-finite skip and fp32 masters, fused.
 
     With ``t`` the 1-based count of applied updates, ``lr_t`` the learning rate at update
@@ -155,12 +155,13 @@ def fused_adamw(
         parameter group with ``weight_decay=0``). None decays all.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a ``FusedAdamWState``. ``update``
-      requires ``params``; updates come in each parameter's dtype. Every parameter leaf must
-      be bf16, fp16 or fp32 (a TypeError naming its path otherwise; a complex one too: the
-      kernels are real-only, and ``rudax.optim.adamw`` takes complex parameters on torch's
-      real view); the gradients and the state's moments and masters must have the
-      parameters' tree and shapes (a ValueError naming the path and both shapes otherwise).
+      An ``optax.GradientTransformationExtraArgs`` whose state is a ``FusedAdamWState``.
+      ``update`` requires ``params`` (and ignores extra keyword arguments); updates come in
+      each parameter's dtype. Every parameter leaf must be bf16, fp16 or fp32 (a TypeError
+      naming its path otherwise; a complex one too: the kernels are real-only, and
+      ``rudax.optim.adamw`` takes complex parameters on torch's real view); the gradients and
+      the state's moments and masters must have the parameters' tree and shapes (a ValueError
+      naming the path and both shapes otherwise).
 
       Under ``inject_hyperparams`` the floats (``learning_rate``, the betas, ``eps``,
       ``weight_decay``, and ``max_grad_norm`` when it is a number) may be injected;
@@ -236,8 +237,9 @@ def fused_adamw(
         )
 
     def update_fn(
-        updates: Any, state: FusedAdamWState, params: Any = None
+        updates: Any, state: FusedAdamWState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, FusedAdamWState]:
+        del extra_args  # optax's convention: arguments for other transforms pass through
         if params is None:
             raise ValueError("fused_adamw: update needs params (the stored parameters)")
         _refuse_complex("parameter", params)
@@ -304,4 +306,4 @@ def fused_adamw(
             num_skipped=state.num_skipped + skipped.astype(jnp.int32),
         )
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -509,3 +509,13 @@ def test_complex_params_are_a_type_error_naming_the_path(where):
         else:
             real = jax.tree.map(jnp.real, params)
             tx.update(params, tx.init(real), real)
+
+
+def test_update_accepts_extra_keyword_arguments():
+    # optax's convention (GradientTransformationExtraArgs): arguments meant for other
+    # transforms in a chain pass through.
+    params, grads = problem(1, jnp.float32)
+    tx = ro.fused_adamw(0.1)
+    want, _ = tx.update(grads[0], tx.init(params), params)
+    got, _ = tx.update(grads[0], tx.init(params), params, loss=jnp.float32(1.0))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
