@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from rudax._validation import check_bool, check_non_negative, float_dtype

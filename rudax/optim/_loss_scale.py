@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_in_range, check_positive, check_positive_int
+from rudax.optim._base import transformation_with_extra_args
 from rudax.optim._nonfinite import all_finite, update_unless_skipped
 from rudax.optim._validation import check_gradients, check_transformation
 
@@ -147,7 +149,7 @@ def dynamic_loss_scale(
         scale, good_steps = next_scale(finite, state.scale, state.good_steps)
         return new_updates, DynamicLossScaleState(scale, good_steps, inner_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return transformation_with_extra_args(init_fn, update_fn)
 
 
 def _is_loss_scale_state(x: Any) -> bool:

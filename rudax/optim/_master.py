@@ -46,7 +46,9 @@ import optax
 
 from rudax._validation import check_floating_leaves, check_positive
 from rudax.kernels._rounding import adopt_replaced, storage_update
+from rudax.optim._base import transformation_with_extra_args
 from rudax.optim._clipping import clip_leaf_by_norm
+from rudax.optim._compat import flatten_up_to
 from rudax.optim._validation import (
     check_gradients,
     check_storage_dtypes,
@@ -165,22 +167,22 @@ def fp32_master(
         # Before the inner optimizer reads them: weights loaded after init are the masters now.
         masters = [
             adopt_replaced(w, jnp.asarray(p))
-            for w, p in zip(treedef.flatten_up_to(state.master), param_leaves, strict=True)
+            for w, p in zip(flatten_up_to(params, state.master), param_leaves, strict=True)
         ]
         inner_updates, inner_state = inner.update(
-            grads, state.inner_state, treedef.unflatten(masters), **extra_args
+            grads, state.inner_state, jax.tree.unflatten(treedef, masters), **extra_args
         )
         pairs = [
             storage_update(w, jnp.asarray(p), d)
             for w, p, d in zip(
                 masters,
                 param_leaves,
-                treedef.flatten_up_to(inner_updates),
+                flatten_up_to(params, inner_updates),
                 strict=True,
             )
         ]
-        new_updates = treedef.unflatten([u for u, _ in pairs])
-        master = treedef.unflatten([w for _, w in pairs])
+        new_updates = jax.tree.unflatten(treedef, [u for u, _ in pairs])
+        master = jax.tree.unflatten(treedef, [w for _, w in pairs])
         return new_updates, Fp32MasterState(master=master, inner_state=inner_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return transformation_with_extra_args(init_fn, update_fn)

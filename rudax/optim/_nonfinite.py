@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rudax.optim._base import transformation_with_extra_args
 from rudax.optim._validation import check_gradients, check_transformation
 
 
@@ -127,4 +128,4 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
             inner_state=inner_state,
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return transformation_with_extra_args(init_fn, update_fn)

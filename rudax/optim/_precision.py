@@ -26,12 +26,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from rudax._validation import check_floating_leaves, float_dtype
-from rudax.optim._compat import weakly_typed
+from rudax.optim._compat import flatten_up_to, weakly_typed
 from rudax.optim._validation import check_gradients, check_tree_like
 
 
@@ -119,9 +120,11 @@ def map_in_compute_dtype(
             u, *new = fn(*args)
         return u, *(n.astype(b.dtype) for n, b in zip(new, stored, strict=True))
 
-    columns = [treedef.flatten_up_to(tree) for tree in (updates, *buffers)]
+    columns = [flatten_up_to(updates, tree) for tree in (updates, *buffers)]
     rows = [leaf(*xs) for xs in zip(*columns, strict=True)]
-    return tuple(treedef.unflatten([row[i] for row in rows]) for i in range(1 + len(buffers)))
+    return tuple(
+        jax.tree.unflatten(treedef, [row[i] for row in rows]) for i in range(1 + len(buffers))
+    )
 
 
 def _stored_dtype(param_dtype: Any, stored: jnp.dtype | None) -> jnp.dtype:

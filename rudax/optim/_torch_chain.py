@@ -20,9 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 import optax
 
+from rudax.optim._compat import flatten_up_to
 from rudax.optim._precision import as_weak, scale_by_learning_rate, with_moment_dtype
 
 # What ``mask=`` takes: optax's meaning (``optax.add_decayed_weights``, ``optax.masked``).
@@ -102,14 +104,14 @@ def add_decayed_weights(
             return jax.tree.map(decay, updates, params), state
         tree = mask(params) if callable(mask) else mask
         try:
-            jax.tree.structure(tree).flatten_up_to(updates)
+            flatten_up_to(tree, updates)
         except (TypeError, ValueError) as e:
             raise ValueError(
                 f"{owner}: mask must have the parameters' tree structure or a prefix of it "
                 f"(a pytree of bools, or a callable of params returning one): {e}"
             ) from None
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        keeps = treedef.unflatten([_check_mask_leaf(owner, path, k) for path, k in flat])
+        keeps = jax.tree.unflatten(treedef, [_check_mask_leaf(owner, path, k) for path, k in flat])
         masked = lambda keep, u, p: jax.tree.map(decay, u, p) if keep else u
         return jax.tree.map(masked, keeps, updates, params), state
 

@@ -20,7 +20,7 @@ from rudax._validation import STORAGE_DTYPES, check_non_negative
 
 def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None:
     """A learning rate is a number >= 0 or a schedule (a callable of the update count)."""
-    if isinstance(learning_rate, Callable):
+    if callable(learning_rate):
         return
     check_non_negative(name, learning_rate)
 
@@ -73,7 +73,9 @@ def tree_mismatch(
     is_leaf = (lambda x: x is None) if none_is_leaf else None
     ref_def = jax.tree.structure(reference, is_leaf=is_leaf)
     tree_def = jax.tree.structure(tree, is_leaf=is_leaf)
-    if tree_def != ref_def:
+    # jaxlib 0.10 ships its _jax module without stubs: mypy cannot resolve jax's PyTreeDef
+    # alias, so it refuses the comparison PyTreeDef defines.
+    if tree_def != ref_def:  # type: ignore[operator]
         want, have = _keys(reference, is_leaf), _keys(tree, is_leaf)
         want_set, have_set = set(want), set(have)
         missing = [k for k in want if k not in have_set]
