@@ -320,7 +320,7 @@ def _inject_objective(params):
 
 
 def _two_updates(case: Case, tx, params, *, jit_init=True):
-    """Two jitted updates from params: (the updates of each, the final state).
+    """Two jitted updates from params: (the updates of each, the final state), one compilation.
 
     ``init`` is jitted too, as optax's test does: inside jit a hyperparameter optax injects is a
     tracer at init as well, so nothing about the state may depend on its value.
@@ -336,6 +336,9 @@ def _two_updates(case: Case, tx, params, *, jit_init=True):
     state = (jax.jit(tx.init) if jit_init else tx.init)(params)
     first, state = update(state, params)
     second, state = update(state, optax.apply_updates(params, first))
+    # optax's "does not recompile on the second call": the state from update is typed as the
+    # state from init (an injected hyperparameter that turned weakly typed would recompile).
+    assert update._cache_size() == 1, f"update compiled {update._cache_size()} times"
     return (first, second), state
 
 
