@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import chex
 import jax
 import jax.core
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_bool, check_non_negative, float_dtype
 from rudax.optim._validation import check_tree_like
@@ -81,12 +83,12 @@ class GradientAccumulator:
       <https://arxiv.org/abs/1706.02677>`_, 2017 (the equal-microbatch equivalence).
     """
 
-    sums: Any  # pytree like the params; each leaf in the accumulation dtype
+    sums: chex.ArrayTree  # pytree like the params; each leaf in the accumulation dtype
     count: jax.Array  # shape=(), int32: pending microbatches
     total_weight: jax.Array  # shape=(), float32: sum of the pending microbatches' weights
 
     @classmethod
-    def init(cls, params: Any, dtype: Any = None) -> GradientAccumulator:
+    def init(cls, params: chex.ArrayTree, dtype: DTypeLike | None = None) -> GradientAccumulator:
         """An empty accumulator with zero sums shaped like ``params``.
 
         Args:
@@ -114,7 +116,7 @@ class GradientAccumulator:
             total_weight=jnp.zeros((), jnp.float32),
         )
 
-    def add(self, grads: Any, weight: Any = None) -> GradientAccumulator:
+    def add(self, grads: chex.ArrayTree, weight: ArrayLike | None = None) -> GradientAccumulator:
         """Adds one microbatch's gradients; returns the new accumulator.
 
         Args:
@@ -146,7 +148,7 @@ class GradientAccumulator:
             sums=sums, count=self.count + 1, total_weight=self.total_weight + w
         )
 
-    def pop(self, normalize: bool = False) -> tuple[Any, GradientAccumulator]:
+    def pop(self, normalize: bool = False) -> tuple[chex.ArrayTree, GradientAccumulator]:
         """Returns the accumulated gradients and an emptied accumulator.
 
         Args:

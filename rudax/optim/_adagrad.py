@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from rudax._validation import check_non_negative
 from rudax.optim._base import safe_increment, transformation
@@ -32,7 +33,9 @@ class ScaleByTorchAdagradState(NamedTuple):
 
 
 def scale_by_torch_adagrad(
-    lr_decay: float = 0.0, initial_accumulator_value: float = 0.0, eps: float = 1e-10
+    lr_decay: float | jax.Array = 0.0,
+    initial_accumulator_value: float | jax.Array = 0.0,
+    eps: float | jax.Array = 1e-10,
 ) -> optax.GradientTransformation:
     """Scales gradients by torch's Adagrad direction (no learning rate, no weight decay).
 
@@ -88,12 +91,12 @@ def scale_by_torch_adagrad(
 @static_arguments("moment_dtype", "mask")
 def adagrad(
     learning_rate: optax.ScalarOrSchedule,
-    lr_decay: float = 0.0,
-    weight_decay: float = 0.0,
-    initial_accumulator_value: float = 0.0,
-    eps: float = 1e-10,
+    lr_decay: float | jax.Array = 0.0,
+    weight_decay: float | jax.Array = 0.0,
+    initial_accumulator_value: float | jax.Array = 0.0,
+    eps: float | jax.Array = 1e-10,
     *,
-    moment_dtype: Any = None,
+    moment_dtype: DTypeLike | None = None,
     mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Adagrad with torch's rules: ``eps`` outside the root, ``lr_decay``, L2 weight decay.

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
 from rudax.optim._base import safe_increment, transformation
@@ -47,7 +48,10 @@ class ScaleByTorchAdamState(NamedTuple):
 
 
 def scale_by_torch_adam(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    eps: float | jax.Array = 1e-8,
+    amsgrad: bool = False,
 ) -> optax.GradientTransformation:
     """Scales gradients by torch's Adam direction (no learning rate, no weight decay).
 
@@ -125,13 +129,13 @@ def scale_by_torch_adam(
 @static_arguments("amsgrad", "moment_dtype", "mask")
 def adam(
     learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 0.0,
     amsgrad: bool = False,
     *,
-    moment_dtype: Any = None,
+    moment_dtype: DTypeLike | None = None,
     mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Adam with torch's rules: L2-coupled weight decay and torch's amsgrad.
@@ -199,13 +203,13 @@ def adam(
 @static_arguments("amsgrad", "moment_dtype", "mask")
 def adamw(
     learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 1e-2,
     amsgrad: bool = False,
     *,
-    moment_dtype: Any = None,
+    moment_dtype: DTypeLike | None = None,
     mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """AdamW with torch's rules: decoupled weight decay scaled by the learning rate.

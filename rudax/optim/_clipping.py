@@ -65,7 +65,7 @@ def clip_leaf_by_norm(g: jax.Array, max_norm: Any) -> jax.Array:
     return _scale(g, clip_coefficient(jnp.sqrt(_sum_of_squares(g)), max_norm))
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float | jax.Array) -> optax.GradientTransformation:
     """Scales all gradients together so that their global L2 norm is at most ``max_norm``.
 
     With the global norm taken over every leaf as if concatenated into one vector::
@@ -119,7 +119,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return transformation(init_fn, update_fn)
 
 
-def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
+def clip_per_parameter(max_norm: float | jax.Array) -> optax.GradientTransformation:
     """Scales each gradient leaf on its own so that its L2 norm is at most ``max_norm``.
 
     For every leaf ``g`` separately::

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 Factory = TypeVar("Factory", bound=Callable[..., Any])
 
@@ -43,7 +44,7 @@ def declared_static_arguments(factory: Callable[..., Any]) -> tuple[str, ...]:
 def inject_hyperparams(
     factory: Callable[..., optax.GradientTransformation],
     static_args: str | Iterable[str] = (),
-    hyperparam_dtype: Any = jnp.float32,
+    hyperparam_dtype: DTypeLike | None = jnp.float32,
 ) -> Callable[..., optax.GradientTransformationExtraArgs]:
     """``optax.inject_hyperparams`` that keeps structural arguments static and floats in fp32.
 
@@ -77,13 +78,15 @@ def inject_hyperparams(
       >>> params = {"w": jnp.ones((2,), jnp.bfloat16)}
       >>> tx = ro.inject_hyperparams(ro.adamw)(learning_rate=1e-3)
       >>> state = tx.init(params)
-      >>> state.hyperparams["b2"].dtype, float(state.hyperparams["b2"])
-      (dtype('float32'), 0.999)
+      >>> state.hyperparams["b2"]  # not rounded to bf16's 1.0
+      Array(0.999, dtype=float32)
       >>> state.hyperparams["learning_rate"] = jnp.asarray(5e-4)  # no recompilation
       >>> updates, state = jax.jit(tx.update)({"w": jnp.ones((2,), jnp.bfloat16)}, state, params)
     """
     names = {static_args} if isinstance(static_args, str) else set(static_args)
     names |= set(declared_static_arguments(factory))
+    # optax annotates a dtype instance; jnp.float32 is a scalar type, the same dtype to it.
+    dtype = None if hyperparam_dtype is None else jnp.dtype(hyperparam_dtype)
     return optax.inject_hyperparams(
-        factory, static_args=tuple(sorted(names)), hyperparam_dtype=hyperparam_dtype
+        factory, static_args=tuple(sorted(names)), hyperparam_dtype=dtype
     )

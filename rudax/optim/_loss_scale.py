@@ -32,11 +32,11 @@ class DynamicLossScaleState(NamedTuple):
 
 def dynamic_loss_scale(
     inner: optax.GradientTransformation,
-    init_scale: float = 2.0**15,
+    init_scale: float | jax.Array = 2.0**15,
     growth_interval: int = 2000,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    min_scale: float = 1.0,
+    growth_factor: float | jax.Array = 2.0,
+    backoff_factor: float | jax.Array = 0.5,
+    min_scale: float | jax.Array = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients, skips the step on overflow and adapts the loss scale.
 
@@ -168,7 +168,7 @@ def _find_loss_scale_states(tree: Any, prefix: tuple = ()) -> list[tuple[tuple, 
     return found
 
 
-def loss_scale(opt_state: Any) -> jax.Array:
+def loss_scale(opt_state: optax.OptState) -> jax.Array:
     """The current loss scale in an optimizer state built with ``dynamic_loss_scale``.
 
     The ``DynamicLossScaleState`` may sit anywhere in ``opt_state`` (inside ``optax.chain``,

@@ -68,7 +68,7 @@ def fp32_master(
     inner: optax.GradientTransformation,
     *,
     gradient_scale: float | jax.Array | None = None,
-    clip_per_parameter: float | None = None,
+    clip_per_parameter: float | jax.Array | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps fp32 master weights and runs ``inner`` on them for bf16, fp16 or fp32 parameters.
 

@@ -30,6 +30,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from rudax._validation import check_floating_leaves, float_dtype
 from rudax.optim._compat import flatten_up_to, weakly_typed
@@ -139,7 +140,7 @@ def _stored_dtype(param_dtype: Any, stored: jnp.dtype | None) -> jnp.dtype:
 
 def with_moment_dtype(
     inner: optax.GradientTransformation,
-    moment_dtype: Any,
+    moment_dtype: DTypeLike | None,
     *,
     owner: str,
     allow_complex: bool = True,

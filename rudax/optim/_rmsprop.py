@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
 from rudax.optim._base import transformation
@@ -33,7 +34,7 @@ class ScaleByTorchRMSState(NamedTuple):
 
 
 def scale_by_torch_rms(
-    alpha: float = 0.99, eps: float = 1e-8, centered: bool = False
+    alpha: float | jax.Array = 0.99, eps: float | jax.Array = 1e-8, centered: bool = False
 ) -> optax.GradientTransformation:
     """Scales gradients by torch's RMSprop denominator (no momentum, no learning rate).
 
@@ -91,13 +92,13 @@ def scale_by_torch_rms(
 @static_arguments("centered", "moment_dtype", "mask")
 def rmsprop(
     learning_rate: optax.ScalarOrSchedule,
-    alpha: float = 0.99,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    momentum: float = 0.0,
+    alpha: float | jax.Array = 0.99,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 0.0,
+    momentum: float | jax.Array = 0.0,
     centered: bool = False,
     *,
-    moment_dtype: Any = None,
+    moment_dtype: DTypeLike | None = None,
     mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """RMSprop with torch's rules: ``eps`` outside the root, momentum before the learning rate.

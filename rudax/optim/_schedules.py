@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 # optax's schedules, re-exported by rudax.optim from here. They need standard dtype promotion.
 from optax import constant_schedule as constant_schedule
@@ -42,7 +43,7 @@ from rudax._validation import check_finite, check_int, check_positive, check_pos
 _MAX_COUNT = 2**31 - 1
 
 
-def _int32_count(count: Any) -> jax.Array:
+def _int32_count(count: ArrayLike) -> jax.Array:
     """The update count as an int32 scalar; a float count is a caller's bug, not a step."""
     count = jnp.asarray(count)
     if not jnp.issubdtype(count.dtype, jnp.integer):
@@ -59,7 +60,9 @@ def _check_step_count(name: str, value: Any, *, allow_zero: bool) -> None:
         raise ValueError(f"{name} must be an int in [{low}, {_MAX_COUNT}], got {name}={value!r}")
 
 
-def step_schedule(init_value: float, step_size: int, gamma: float) -> optax.Schedule:
+def step_schedule(
+    init_value: float | jax.Array, step_size: int, gamma: float | jax.Array
+) -> optax.Schedule:
     """Multiplies the value by ``gamma`` every ``step_size`` updates (torch ``StepLR``).
 
     The value after ``count`` parameter updates is::
@@ -95,7 +98,7 @@ def step_schedule(init_value: float, step_size: int, gamma: float) -> optax.Sche
     check_positive_int("step_size", step_size)
     check_positive("gamma", gamma)
 
-    def schedule(count: Any) -> jax.Array:
+    def schedule(count: ArrayLike) -> jax.Array:
         decays = jnp.floor_divide(_int32_count(count), step_size)
         factor = jnp.power(jnp.asarray(gamma, jnp.float32), decays.astype(jnp.float32))
         return jnp.asarray(init_value, jnp.float32) * factor
@@ -104,12 +107,12 @@ def step_schedule(init_value: float, step_size: int, gamma: float) -> optax.Sche
 
 
 def warmup_cosine_decay_schedule(
-    init_value: float,
-    peak_value: float,
+    init_value: float | jax.Array,
+    peak_value: float | jax.Array,
     warmup_steps: int,
     decay_steps: int,
-    end_value: float = 0.0,
-    exponent: float = 1.0,
+    end_value: float | jax.Array = 0.0,
+    exponent: float | jax.Array = 1.0,
 ) -> optax.Schedule:
     """Linear warmup from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
 
@@ -173,7 +176,7 @@ def warmup_cosine_decay_schedule(
         )
     cosine_steps = decay_steps - warmup_steps
 
-    def schedule(count: Any) -> jax.Array:
+    def schedule(count: ArrayLike) -> jax.Array:
         count = _int32_count(count)
         init, peak, end = (jnp.asarray(v, jnp.float32) for v in (init_value, peak_value, end_value))
         # max(.., 1) only guards the division when W = 0, where the warmup branch is never taken.

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from rudax._validation import check_bool, check_in_range, check_non_negative
 from rudax.optim._base import safe_increment, transformation
@@ -33,7 +34,7 @@ class ScaleByTorchMomentumState(NamedTuple):
 
 
 def scale_by_torch_momentum(
-    momentum: float, dampening: float = 0.0, nesterov: bool = False
+    momentum: float | jax.Array, dampening: float | jax.Array = 0.0, nesterov: bool = False
 ) -> optax.GradientTransformation:
     """torch's SGD momentum buffer (no learning rate, no weight decay).
 
@@ -104,12 +105,12 @@ def _check_momentum(momentum: Any, dampening: Any, nesterov: Any) -> None:
 @static_arguments("nesterov", "moment_dtype", "mask")
 def sgd(
     learning_rate: optax.ScalarOrSchedule,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
+    momentum: float | jax.Array = 0.0,
+    dampening: float | jax.Array = 0.0,
     nesterov: bool = False,
-    weight_decay: float = 0.0,
+    weight_decay: float | jax.Array = 0.0,
     *,
-    moment_dtype: Any = None,
+    moment_dtype: DTypeLike | None = None,
     mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Stochastic gradient descent with torch's momentum, dampening and Nesterov rules.

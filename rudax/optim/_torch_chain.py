@@ -23,6 +23,7 @@ import jax
 import jax.core
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from rudax.optim._compat import flatten_up_to
 from rudax.optim._precision import as_weak, scale_by_learning_rate, with_moment_dtype
@@ -122,7 +123,7 @@ def torch_chain(
     direction: Sequence[optax.GradientTransformation],
     learning_rate: optax.ScalarOrSchedule,
     weight_decay: Any,
-    moment_dtype: Any,
+    moment_dtype: DTypeLike | None,
     *,
     name: str,
     decoupled: bool = False,
