@@ -11,6 +11,7 @@ import optax
 from jax.tree_util import tree_flatten_with_path
 
 from rudax._validation import check_in_range, check_non_negative
+from rudax.optim._base import safe_increment
 from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
 from rudax.optim._torch_chain import DecayMask, static_nonzero
@@ -159,7 +160,7 @@ def _on_real_view(fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
 
 
 def _scale_by_learning_rate_and_proximal_decay(
-    learning_rate: optax.ScalarOrSchedule, weight_decay: Any, mask: DecayMask
+    learning_rate: Any, weight_decay: Any, mask: DecayMask
 ) -> optax.GradientTransformation:
     """Turns a direction u into the update giving (p - lr u) / (1 + lr * weight_decay).
 
@@ -183,7 +184,7 @@ def _scale_by_learning_rate_and_proximal_decay(
             )
         if scheduled:
             lr = learning_rate(state.schedule_count)
-            state = AdanScheduleState(optax.safe_increment(state.schedule_count))
+            state = AdanScheduleState(safe_increment(state.schedule_count))
             # optax.scale_by_schedule's rounding: the rate in the update's dtype first.
             step = lambda u: jnp.asarray(-lr, dtype=u.dtype) * u
         else:

@@ -34,6 +34,7 @@ from rudax._validation import (
 )
 from rudax.kernels._adamw_leaves import adamw_update_leaves
 from rudax.optim._adan import decay_flags
+from rudax.optim._base import transformation_with_extra_args
 from rudax.optim._clipping import clip_coefficient
 from rudax.optim._inject import static_arguments
 from rudax.optim._muon import check_not_injected
@@ -306,4 +307,4 @@ def fused_adamw(
             num_skipped=state.num_skipped + skipped.astype(jnp.int32),
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return transformation_with_extra_args(init_fn, update_fn)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -137,8 +137,9 @@ def scale_by_strong_wolfe(
         if not jax.tree.leaves(wide):
             # optax.tree.map_params's stand-in for the parameters, a pytree without leaves:
             # optax's init would read the first leaf's dtype. The stand-in marks ``grad``.
-            return zoom.init(jnp.zeros((), jnp.float32))._replace(grad=params)
-        state = zoom.init(wide)
+            stand_in: Any = zoom.init(jnp.zeros((), jnp.float32))
+            return stand_in._replace(grad=params)
+        state: Any = zoom.init(wide)
         return state._replace(grad=optax.tree.cast_like(state.grad, params))
 
     def update_fn(
@@ -159,6 +160,7 @@ def scale_by_strong_wolfe(
                 "tx.update(grads, state, params, value=loss, grad=grads, value_fn=loss_fn, "
                 "**loss_fn_kwargs), or build lbfgs with line_search=None"
             )
+        objective = cast(Callable[..., jax.Array], value_fn)  # not None: checked above
         check_gradients("scale_by_strong_wolfe", updates, params)
         check_tree_like("scale_by_strong_wolfe", "grad", grad, "params", params)
         slope = _vdot(updates, grad)
@@ -169,13 +171,14 @@ def scale_by_strong_wolfe(
             # the parameters, direction and gradient widened to float32 instead, and evaluates
             # the objective at the trial points rounded back to the parameters' dtypes.
             narrow = _widen(params) is not params
-            fn = _at_stored_dtypes(value_fn, params) if narrow else value_fn
+            fn = _at_stored_dtypes(objective, params) if narrow else objective
             wide_value = jnp.asarray(value).astype(state.value.dtype)
             new_updates, new_state = zoom.update(
                 _widen(updates), state, _widen(params), value=wide_value, grad=_widen(grad),
                 value_fn=fn, **fn_kwargs,
             )  # fmt: skip
-            new_state = new_state._replace(grad=optax.tree.cast_like(new_state.grad, state.grad))
+            searched: Any = new_state  # optax types it as any OptState
+            new_state = searched._replace(grad=optax.tree.cast_like(searched.grad, state.grad))
             return optax.tree.cast_like(new_updates, updates), new_state
 
         def skip(state):

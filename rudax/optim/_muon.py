@@ -249,7 +249,7 @@ def scale_by_muon(
         allow_complex=False,
     )
 
-    def checked_init(params: optax.Params) -> ScaleByMuonState:
+    def checked_init(params: optax.Params) -> Any:
         _refuse_complex("scale_by_muon", "parameter", params)
         return tx.init(params)
 
