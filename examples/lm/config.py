@@ -285,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_float,
         default=0.1,
         help="decoupled weight decay of the weight matrices (attention, MLP, MoE router and "
-        "experts); norm scales and the embedding (the tied head) are not decayed (but with "
-        "fused_adamw, which has no mask yet)",
+        "experts), with every optimizer; norm scales and the embedding (the tied head) are "
+        "not decayed",
     )
     opt.add_argument("--beta1", type=unit_interval, default=0.9, help="Adam's b1")
     opt.add_argument("--beta2", type=unit_interval, default=0.95, help="Adam's b2")

@@ -126,8 +126,7 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
 
     Decoupled weight decay (``--weight-decay``) shrinks only what :func:`decay_mask` selects,
     whichever optimizer steps it: the attention and MLP matrices, the MoE router and experts;
-    norm scales and the embedding (the tied head) get their step without decay (but with
-    ``fused_adamw``, below).
+    norm scales and the embedding (the tied head) get their step without decay.
 
     * ``adamw``: ``fp32_master(chain(clip_by_global_norm, adamw(mask=decay_mask)))``.
     * ``muon``: Muon on the blocks' 2-D matrices (attention, MLP), AdamW on the rest
@@ -135,13 +134,15 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
       Jordan's modded-nanogpt splits them; both decay by ``decay_mask``. On the dense model
       AdamW's leaves are the embedding and the norms, so it decays nothing, as modded-nanogpt's
       Adam; with ``--moe`` the router and the experts decay as the dense MLP's matrices do.
-    * ``fused_adamw``: ``rudax.optim.fused_adamw`` with clipping and masters built in; it has
-      no decay mask yet, so norm scales and the embedding are decayed too.
+    * ``fused_adamw``: ``rudax.optim.fused_adamw(mask=decay_mask)``, clipping and masters
+      built in.
     """
     lr = make_schedule(args, args.lr)
     adam = dict(b1=args.beta1, b2=args.beta2, eps=args.eps)
     if args.optimizer == "fused_adamw":
-        return ro.fused_adamw(lr, weight_decay=args.weight_decay, max_grad_norm=args.clip, **adam)
+        return ro.fused_adamw(
+            lr, weight_decay=args.weight_decay, max_grad_norm=args.clip, mask=decay_mask, **adam
+        )
     if args.optimizer == "adamw":
         inner = ro.adamw(lr, weight_decay=args.weight_decay, mask=decay_mask, **adam)
     else:

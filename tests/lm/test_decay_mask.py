@@ -141,7 +141,7 @@ def _expected_shrink(args, path):
     return _shrink(args, args.muon_lr if muon else args.lr)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "fused_adamw"])
 def test_zero_gradients_shrink_decayed_parameters_and_leave_the_rest(optimizer):
     # The MoE model has every kind of parameter but the dense MLP's, which
     # test_dense_muon_is_modded_nanogpts_recipe_bit_for_bit covers.
@@ -160,7 +160,7 @@ def test_zero_gradients_shrink_decayed_parameters_and_leave_the_rest(optimizer):
             np.testing.assert_allclose(after[path], p0 * factor, rtol=1e-6, err_msg=path)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "fused_adamw"])
 def test_spared_parameters_step_as_without_weight_decay(optimizer):
     args = _args(f"--optimizer={optimizer}", *FP32, *MOE)
     no_decay = build_parser().parse_args([*SMALL, *OPT, *FP32, *MOE, f"--optimizer={optimizer}"])
@@ -179,7 +179,7 @@ def test_spared_parameters_step_as_without_weight_decay(optimizer):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-@pytest.mark.parametrize("optimizer", ["adamw"])
+@pytest.mark.parametrize("optimizer", ["adamw", "fused_adamw"])
 def test_fsdp_zero_gradients_shrink_only_the_masked_in_sharded_parameters(optimizer):
     args = _args(f"--optimizer={optimizer}", *FP32, *MOE)
     params = _params(args, _mesh())
