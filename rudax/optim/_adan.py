@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.tree_util import tree_flatten_with_path
+from jax.typing import DTypeLike
 
 from rudax._validation import check_in_range, check_non_negative
-from rudax.optim._base import safe_increment
+from rudax.optim._base import safe_increment, transformation
+from rudax.optim._compat import flatten_up_to
 from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
 from rudax.optim._torch_chain import DecayMask, static_nonzero
@@ -20,7 +22,12 @@ from rudax.optim._validation import check_learning_rate
 
 
 class ScaleByAdanState(NamedTuple):
-    count: jax.Array  # shape=(), int32: updates applied so far
+    """State of ``scale_by_adan``."""
+
+    # shape=(), int32: updates applied so far.
+    # Named as optax names its counts, so optax.tree.get(state, "count") finds it; mypy
+    # reports the field for overriding tuple.count (a method), as optax's states override it.
+    count: jax.Array  # type: ignore[assignment]
     m: optax.Updates  # EMA of gradients, moment_dtype
     v: optax.Updates  # EMA of gradient differences g_t - g_{t-1}, moment_dtype
     n: optax.Updates  # EMA of (g_t + b2 (g_t - g_{t-1}))^2, moment_dtype
@@ -28,12 +35,12 @@ class ScaleByAdanState(NamedTuple):
 
 
 def scale_by_adan(
-    b1: float = 0.98,
-    b2: float = 0.92,
-    b3: float = 0.99,
-    eps: float = 1e-8,
+    b1: float | jax.Array = 0.98,
+    b2: float | jax.Array = 0.92,
+    b3: float | jax.Array = 0.99,
+    eps: float | jax.Array = 1e-8,
     *,
-    moment_dtype: Any = None,
+    moment_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformation:
     """Rescales gradients into Adan's bias-corrected Nesterov direction (no learning rate).
 
@@ -81,10 +88,12 @@ def scale_by_adan(
             count=jnp.zeros([], jnp.int32), m=zeros(), v=zeros(), n=zeros(), prev_grad=zeros()
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(
+        updates: Any, state: ScaleByAdanState, params: Any = None
+    ) -> tuple[Any, ScaleByAdanState]:
         del params
         first = state.count == 0
-        count = optax.safe_increment(state.count)
+        count = safe_increment(state.count)
         # Bias corrections in fp32 whatever the moment dtype: 1 - b**t for b near 1 needs more
         # than bf16's 8 mantissa bits.
         t = count.astype(jnp.float32)
@@ -113,7 +122,7 @@ def scale_by_adan(
         return u, ScaleByAdanState(count=count, m=m, v=v, n=n, prev_grad=g)
 
     return with_moment_dtype(
-        optax.GradientTransformation(init_fn, update_fn), moment_dtype, owner="scale_by_adan"
+        transformation(init_fn, update_fn), moment_dtype, owner="scale_by_adan"
     )
 
 
@@ -131,7 +140,7 @@ def decay_flags(mask: DecayMask, params: Any, *, owner: str) -> list[bool]:
         return [True] * len(jax.tree.leaves(params))
     tree = mask(params) if callable(mask) else mask
     try:
-        subtrees = jax.tree.structure(tree).flatten_up_to(params)
+        subtrees = flatten_up_to(tree, params)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"{owner}: mask must have the parameters' tree structure or a prefix of it "
@@ -172,11 +181,12 @@ def _scale_by_learning_rate_and_proximal_decay(
     """
     scheduled = callable(learning_rate)
 
-    def init_fn(params):
+    def init_fn(params: Any) -> AdanScheduleState | optax.EmptyState:
         del params
         return AdanScheduleState(jnp.zeros([], jnp.int32)) if scheduled else optax.EmptyState()
 
-    def update_fn(updates, state, params=None):
+    # state: init_fn's, an AdanScheduleState exactly when the learning rate is a schedule.
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         decays = static_nonzero(weight_decay)
         if decays and params is None:
             raise ValueError(
@@ -202,23 +212,23 @@ def _scale_by_learning_rate_and_proximal_decay(
             proximal = lambda x, q: (step(x) - c * q) / (1 + c)
             return _on_real_view(proximal, u, p.astype(u.dtype))
 
-        us, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
+        us, ps = flatten_up_to(updates, updates), flatten_up_to(updates, params)
         new = [leaf(u, p, d) for u, p, d in zip(us, ps, flags, strict=True)]
-        return treedef.unflatten(new), state
+        return jax.tree.unflatten(treedef, new), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return transformation(init_fn, update_fn)
 
 
 @static_arguments("moment_dtype", "mask")
 def adan(
     learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.98,
-    b2: float = 0.92,
-    b3: float = 0.99,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    b1: float | jax.Array = 0.98,
+    b2: float | jax.Array = 0.92,
+    b3: float | jax.Array = 0.99,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 0.0,
     *,
-    moment_dtype: Any = None,
+    moment_dtype: DTypeLike | None = None,
     mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Adan (Xie et al. 2022), matching the authors' PyTorch ``Adan`` with ``no_prox=False``.

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from rudax._validation import (
     check_bool,
@@ -39,7 +40,7 @@ def _newton_schulz(
     update: jax.Array,
     coefficients: tuple[float, float, float],
     steps: int,
-    eps: float,
+    eps: float | jax.Array,
     dtype: Any,
 ) -> jax.Array:
     """Approximates U V^T of update = U S V^T by a quintic Newton-Schulz iteration, as torch.
@@ -137,16 +138,16 @@ _SCALE_BY_MUON_STATIC = (
 
 @static_arguments(*_SCALE_BY_MUON_STATIC)
 def scale_by_muon(
-    momentum: float = 0.95,
+    momentum: float | jax.Array = 0.95,
     *,
     nesterov: bool = True,
     ns_steps: int = 5,
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    eps: float = 1e-7,
+    eps: float | jax.Array = 1e-7,
     adjust_lr_fn: str | None = None,
     matrix_layout: str = "in_out",
-    ns_dtype: Any = jnp.bfloat16,
-    moment_dtype: Any = None,
+    ns_dtype: DTypeLike = jnp.bfloat16,
+    moment_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformation:
     """Muon's direction for a pytree of 2-D matrices: orthogonalized momentum (no lr, no decay).
 
@@ -249,7 +250,7 @@ def scale_by_muon(
         allow_complex=False,
     )
 
-    def checked_init(params: optax.Params) -> Any:
+    def checked_init(params: optax.Params) -> optax.OptState:
         _refuse_complex("scale_by_muon", "parameter", params)
         return tx.init(params)
 
@@ -267,7 +268,8 @@ def _check_coefficients(value: Any) -> tuple[float, float, float]:
         raise TypeError(f"ns_coefficients must be three numbers (a, b, c), got {value=}")
     for i, x in enumerate(value):
         check_finite(f"ns_coefficients[{i}]", x)
-    return tuple(float(x) for x in value)
+    a, b, c = (float(x) for x in value)
+    return a, b, c
 
 
 MaskSpec = Any | Callable[[optax.Params], Any] | None
@@ -311,23 +313,23 @@ def _muon_labels(muon_mask: MaskSpec) -> Callable[[optax.Params], Any]:
 @static_arguments(*_SCALE_BY_MUON_STATIC, "muon_mask", "mask")
 def muon(
     learning_rate: optax.ScalarOrSchedule,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
+    weight_decay: float | jax.Array = 0.1,
+    momentum: float | jax.Array = 0.95,
     nesterov: bool = True,
     ns_steps: int = 5,
     *,
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    eps: float = 1e-7,
+    eps: float | jax.Array = 1e-7,
     adjust_lr_fn: str | None = None,
     matrix_layout: str = "in_out",
     muon_mask: MaskSpec = None,
     adamw_learning_rate: optax.ScalarOrSchedule | None = None,
-    adamw_b1: float = 0.9,
-    adamw_b2: float = 0.999,
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: float | None = None,
-    ns_dtype: Any = jnp.bfloat16,
-    moment_dtype: Any = None,
+    adamw_b1: float | jax.Array = 0.9,
+    adamw_b2: float | jax.Array = 0.999,
+    adamw_eps: float | jax.Array = 1e-8,
+    adamw_weight_decay: float | jax.Array | None = None,
+    ns_dtype: DTypeLike = jnp.bfloat16,
+    moment_dtype: DTypeLike | None = None,
     mask: DecayMask = None,
 ) -> optax.GradientTransformation:
     """Muon on 2-D weight matrices (as ``torch.optim.Muon``), torch-style AdamW on the rest.
