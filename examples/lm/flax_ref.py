@@ -5,8 +5,8 @@ An independent reimplementation, written the way a flax user would without rudax
 ``nnx.Linear`` layers, one ``qkv`` projection read as ``[q | k | v]``, rotary positions in the
 "rotate half" layout with float64 NumPy tables, dense causal attention, a SwiGLU MLP, the mean
 next-token cross entropy in fp32, and ``optax.clip_by_global_norm`` + ``optax.adamw`` with the
-trainer's schedule and decay mask (matrices and the embedding). Its parameters are fp32: plain
-optax has no master weights, so fp32 storage *is* its master copy.
+trainer's schedule and decay mask (the matrices, not the norms or the embedding). Its parameters
+are fp32: plain optax has no master weights, so fp32 storage *is* its master copy.
 
 It serves twice. ``examples.lm.bench`` times it as the flax+optax baseline (``flax_arm``), and
 because it computes the same function from the same weights it cross-checks the rudax model:
@@ -131,7 +131,11 @@ def ref_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
     lr = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, args.warmup, args.steps, end_value=args.lr * args.min_lr_ratio
     )
-    mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    # The trainer's examples.lm.step.decay_mask: matrices decay; norms and the embedding
+    # (the tied head) do not.
+    mask = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim >= 2 and "['embed']" not in jax.tree_util.keystr(path), params
+    )
     adamw = optax.adamw(
         lr, args.beta1, args.beta2, args.eps, weight_decay=args.weight_decay, mask=mask
     )

@@ -6,8 +6,8 @@ head (``F.linear(x, embed.weight)``), ``nn.RMSNorm``, one bias-free ``qkv`` proj
 ``i + K/2``, cos/sin tables computed in float64 and stored fp32), ``F.scaled_dot_product_attention``
 with ``is_causal=True``, a SwiGLU MLP ``down(silu(gate(x)) * up(x))``, and the mean next-token
 cross entropy in fp32. The optimizer step is ``clip_grad_norm_`` then ``torch.optim.AdamW``
-(``fused=True``, the fastest CPU implementation; weight decay on matrices and the embedding
-only, as the trainer) with the trainer's linear-warmup-cosine learning rate through
+(``fused=True``, the fastest CPU implementation; weight decay on the matrices, not the norms
+or the embedding, as the trainer) with the trainer's linear-warmup-cosine learning rate through
 ``LambdaLR``. Parameters are fp32, which are also the optimizer's weights: PyTorch keeps no
 bf16 copy (its AMP casts per op); with ``compute_dtype="bfloat16"`` the step runs under
 ``torch.autocast("cpu", torch.bfloat16)``.
@@ -166,8 +166,10 @@ def serve(spec: dict, protocol) -> None:
     batch = torch.from_numpy(arrays.pop("batch").astype(np.int64))
     model = GPT(c)
     load_weights(model, arrays)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    # The trainer's decay mask: matrices decay; norms and the embedding (the tied head) do not.
+    decays = lambda name, p: p.ndim >= 2 and not name.startswith("embed.")
+    decay = [p for n, p in model.named_parameters() if decays(n, p)]
+    no_decay = [p for n, p in model.named_parameters() if not decays(n, p)]
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": h["weight_decay"]},
