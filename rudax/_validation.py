@@ -52,6 +52,7 @@ def as_float(name: str, value: Any, *, accept: Accept = "traced") -> float | Non
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a real number, got {name}={value!r}")
         return float(value)
+    _check_not_narrow(name, value)
     if accept == "traced" and isinstance(value, jax.core.Tracer):
         return None
     if isinstance(value, bool):
@@ -66,6 +67,26 @@ def as_float(name: str, value: Any, *, accept: Accept = "traced") -> float | Non
     elif value.ndim != 0:
         raise TypeError(f"{name} must be a scalar, got shape {value.shape}: {name}={value!r}")
     return float(value)
+
+
+def _check_not_narrow(name: str, value: Any) -> None:
+    """TypeError for a bf16/fp16 scalar (concrete or traced: its dtype is known either way).
+
+    Such a hyperparameter has lost its value already (0.999 is 1.0 in bfloat16). It arrives
+    so from ``optax.inject_hyperparams``, which casts hyperparameters to the parameters' dtype;
+    under ``jax.jit`` the rounded value is a tracer no range check can see.
+    """
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return
+    if np.dtype(dtype).itemsize >= 4:
+        return
+    raise TypeError(
+        f"{name} is a {np.dtype(dtype).name} scalar ({name}={value!r}), rounded to 8 or 11 "
+        "significant bits (0.999 becomes 1.0 in bfloat16); give hyperparameters in float32. "
+        "optax.inject_hyperparams casts them to the parameters' dtype unless given "
+        "hyperparam_dtype=jnp.float32; rudax.optim.inject_hyperparams keeps them in float32"
+    )
 
 
 @overload
@@ -129,22 +150,8 @@ def check_in_range(
         else:
             bound = "in " + ("[" if low_inclusive else "(") + f"{low}, {high}"
             bound += "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be {bound}, got {name}={value!r}{_narrow_hint(value)}")
+        raise ValueError(f"{name} must be {bound}, got {name}={value!r}")
     return v
-
-
-def _narrow_hint(value: Any) -> str:
-    """Why a hyperparameter may arrive as a bf16/fp16 array, and the fix."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-        return ""
-    if np.dtype(dtype).itemsize >= 4:
-        return ""
-    return (
-        f". A {np.dtype(dtype).name} hyperparameter is rounded (0.999 becomes 1.0 in bfloat16): "
-        "optax.inject_hyperparams casts hyperparameters to the parameters' dtype unless given "
-        "hyperparam_dtype=jnp.float32; rudax.optim.inject_hyperparams keeps them in float32"
-    )
 
 
 @overload

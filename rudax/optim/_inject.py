@@ -14,6 +14,9 @@ of its defaults do not fit an optimizer that follows torch:
 
 from __future__ import annotations
 
+import functools
+import inspect
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -24,13 +27,21 @@ from jax.typing import DTypeLike
 Factory = TypeVar("Factory", bound=Callable[..., Any])
 
 _ATTRIBUTE = "__rudax_static_args__"
+_ZERO_ATTRIBUTE = "__rudax_static_when_zero__"
 
 
-def static_arguments(*names: str) -> Callable[[Factory], Factory]:
-    """Declares which arguments of an optimizer factory shape its program (never injected)."""
+def static_arguments(*names: str, when_zero: tuple[str, ...] = ()) -> Callable[[Factory], Factory]:
+    """Declares which arguments of an optimizer factory shape its program (never injected).
+
+    ``when_zero`` names the coefficients whose zero leaves a buffer out of the state (SGD's
+    and RMSprop's momentum): given as the number 0 they are static too, so the injected state
+    has the plain one's layout even when ``init`` runs under ``jax.jit``, where an injected 0
+    is a tracer nobody can read.
+    """
 
     def declare(factory: Factory) -> Factory:
         setattr(factory, _ATTRIBUTE, names)
+        setattr(factory, _ZERO_ATTRIBUTE, when_zero)
         return factory
 
     return declare
@@ -53,7 +64,9 @@ def inject_hyperparams(
     schedule is kept in ``state.hyperparams`` as a float32 scalar, to read or set between
     updates (``state.hyperparams["learning_rate"] = ...``) without recompiling the update.
     The arguments ``factory`` declares structural (``ns_steps``, ``history_size``,
-    ``moment_dtype``, ``mask``, ...) and those in ``static_args`` are passed as given.
+    ``moment_dtype``, ``mask``, ...) and those in ``static_args`` are passed as given, and so
+    is a momentum given as 0 (SGD, RMSprop): it decides that the state has no buffer, as in
+    the plain optimizer, so it cannot be changed later; give it non-zero to inject it.
 
     It differs from ``optax.inject_hyperparams`` only in those two defaults: optax casts
     hyperparameters to the parameters' dtype (``hyperparam_dtype=None``), which rounds
@@ -87,6 +100,25 @@ def inject_hyperparams(
     names |= set(declared_static_arguments(factory))
     # optax annotates a dtype instance; jnp.float32 is a scalar type, the same dtype to it.
     dtype = None if hyperparam_dtype is None else jnp.dtype(hyperparam_dtype)
-    return optax.inject_hyperparams(
-        factory, static_args=tuple(sorted(names)), hyperparam_dtype=dtype
-    )
+    zero_static = tuple(getattr(factory, _ZERO_ATTRIBUTE, ()))
+    if not zero_static:
+        return optax.inject_hyperparams(
+            factory, static_args=tuple(sorted(names)), hyperparam_dtype=dtype
+        )
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def wrapped(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        zeros = {
+            n
+            for n in zero_static
+            if isinstance(bound.arguments[n], numbers.Real) and bound.arguments[n] == 0
+        }
+        inject = optax.inject_hyperparams(
+            factory, static_args=tuple(sorted(names | zeros)), hyperparam_dtype=dtype
+        )
+        return inject(*args, **kwargs)
+
+    return wrapped

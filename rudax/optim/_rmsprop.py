@@ -89,7 +89,7 @@ def scale_by_torch_rms(
     return transformation(init_fn, update_fn)
 
 
-@static_arguments("centered", "moment_dtype", "mask")
+@static_arguments("centered", "moment_dtype", "mask", when_zero=("momentum",))
 def rmsprop(
     learning_rate: optax.ScalarOrSchedule,
     alpha: float | jax.Array = 0.99,

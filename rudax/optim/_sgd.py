@@ -102,7 +102,7 @@ def _check_momentum(momentum: Any, dampening: Any, nesterov: Any) -> None:
         raise ValueError(f"nesterov=True requires dampening == 0, got {dampening=}")
 
 
-@static_arguments("nesterov", "moment_dtype", "mask")
+@static_arguments("nesterov", "moment_dtype", "mask", when_zero=("momentum",))
 def sgd(
     learning_rate: optax.ScalarOrSchedule,
     momentum: float | jax.Array = 0.0,

@@ -122,11 +122,14 @@ def test_bf16_parameters_keep_fp32_hyperparameters(name):
 
 
 @pytest.mark.standard_promotion  # optax's own inject_hyperparams casts under standard rules
-def test_optax_inject_with_bf16_params_names_the_fix():
-    """Plain optax casts b2=0.999 to bf16 (1.0): the error says so and gives the fix."""
+@pytest.mark.parametrize("jit_init", [False, True], ids=["eager-init", "jit-init"])
+def test_optax_inject_with_bf16_params_names_the_fix(jit_init):
+    """Plain optax casts b2=0.999 to bf16 (1.0): refused with the fix, also under jax.jit,
+    where the rounded b2 is a tracer whose value no range check can read (its dtype says it)."""
     tx = optax.inject_hyperparams(ro.adamw)(learning_rate=0.1)
-    with pytest.raises(ValueError, match=r"b2 must be in \[0\.0, 1\.0\).*hyperparam_dtype"):
-        tx.init(_params(jnp.bfloat16))
+    init = jax.jit(tx.init) if jit_init else tx.init
+    with pytest.raises(TypeError, match=r"is a bfloat16 scalar.*hyperparam_dtype=jnp\.float32"):
+        init(_params(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -176,12 +179,15 @@ def test_mask_and_moment_dtype_stay_static():
     _run(tx, params)
 
 
+@pytest.mark.parametrize("jit_init", [False, True], ids=["eager-init", "jit-init"])
 @pytest.mark.parametrize("name", ["sgd", "rmsprop"])
-def test_momentum_injected_as_zero_allocates_no_buffer(name):
+def test_momentum_injected_as_zero_allocates_no_buffer(name, jit_init):
+    """A momentum of 0 stays static, so no buffer even when init runs under jax.jit."""
     factory, config = CONFIGS[name]
     tx = ro.inject_hyperparams(factory)(**{**config, "momentum": 0.0})
     params = _params()
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params) if jit_init else tx.init(params)
+    assert "momentum" not in state.hyperparams
     momentum = [
         s
         for s in jax.tree.leaves(state.inner_state, is_leaf=lambda x: hasattr(x, "momentum_buffer"))

@@ -137,8 +137,19 @@ STRUCTURAL = (
 
 
 def static_args(case: Case) -> tuple[str, ...]:
+    """What a user of optax's own wrapper passes as static_args for a rudax optimizer.
+
+    The structural arguments, and (rudax's documented rule, which rudax.optim's wrapper
+    applies itself) a momentum given as 0: zero means no momentum buffer in the plain state,
+    and under ``jax.jit(init)`` an injected 0 is a tracer that cannot say it is zero.
+    """
     parameters = inspect.signature(case.factory).parameters
-    return tuple(name for name in STRUCTURAL if name in parameters)
+    zero_momentum = (
+        "momentum" in parameters
+        and case.kwargs.get("momentum", parameters["momentum"].default) == 0
+    )
+    names = [name for name in STRUCTURAL if name in parameters]
+    return (*names, *(["momentum"] if zero_momentum else []))
 
 
 def target_for(case: Case, make_target, dtype) -> Target:
