@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 import rudax.kernels as rk
 from rudax._validation import (
@@ -34,8 +35,9 @@ from rudax._validation import (
 )
 from rudax.kernels._adamw_leaves import adamw_update_leaves
 from rudax.optim._adan import decay_flags
-from rudax.optim._base import transformation_with_extra_args
+from rudax.optim._base import safe_increment, transformation_with_extra_args
 from rudax.optim._clipping import clip_coefficient
+from rudax.optim._compat import flatten_up_to
 from rudax.optim._inject import static_arguments
 from rudax.optim._muon import check_not_injected
 from rudax.optim._precision import as_weak
@@ -52,7 +54,10 @@ from rudax.optim._validation import (
 class FusedAdamWState(NamedTuple):
     """State of ``fused_adamw``; a skipped update changes only the last three fields."""
 
-    count: jax.Array  # shape=(), int32: applied updates (not skipped ones), saturating
+    # shape=(), int32: applied updates (not skipped ones), saturating.
+    # Named as optax names its counts, so optax.tree.get(state, "count") finds it; mypy
+    # reports the field for overriding tuple.count (a method), as optax's states override it.
+    count: jax.Array  # type: ignore[assignment]
     exp_avg: Any  # like params: first moment m, float32 (param dtype if master_dtype is None)
     exp_avg_sq: Any  # like params: second moment v, likewise
     master: Any  # like params: float32 copy of each bf16/fp16 leaf, None for the others
@@ -79,14 +84,14 @@ def _refuse_complex(what: str, tree: Any) -> None:
 )
 def fused_adamw(
     learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 1e-2,
     *,
-    max_grad_norm: float | None = None,
+    max_grad_norm: float | jax.Array | None = None,
     skip_nonfinite: bool = True,
-    master_dtype: Any = jnp.float32,
+    master_dtype: DTypeLike | None = jnp.float32,
     hierarchical_stats: bool = False,
     impl: str = "auto",
     interpret: bool = False,
@@ -258,7 +263,7 @@ def fused_adamw(
                 none_is_leaf=field == "master",
             )
         param_leaves, treedef = jax.tree.flatten(params)
-        leaves = lambda tree: treedef.flatten_up_to(tree)
+        leaves = lambda tree: flatten_up_to(params, tree)
         grads = [jnp.asarray(g) for g in leaves(updates)]
 
         norm, finite = rk.global_norm_and_finite(
@@ -266,7 +271,7 @@ def fused_adamw(
         )
         coefficient = None if max_grad_norm is None else clip_coefficient(norm, max_grad_norm)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        count = optax.safe_increment(state.count)
+        count = safe_increment(state.count)
         skipped = jnp.logical_not(finite) if skip_nonfinite else jnp.zeros((), jnp.bool_)
         exp_avgs, exp_avg_sqs, masters = (
             leaves(state.exp_avg), leaves(state.exp_avg_sq), leaves(state.master)
@@ -297,11 +302,11 @@ def fused_adamw(
                 outs[i] = [column[j] for column in results]
         new_updates, exp_avg, exp_avg_sq, master = ([out[k] for out in outs] for k in range(4))
         new_count = jnp.where(skipped, state.count, count) if skip_nonfinite else count
-        return treedef.unflatten(new_updates), FusedAdamWState(
+        return jax.tree.unflatten(treedef, new_updates), FusedAdamWState(
             count=new_count,
-            exp_avg=treedef.unflatten(exp_avg),
-            exp_avg_sq=treedef.unflatten(exp_avg_sq),
-            master=treedef.unflatten(master),
+            exp_avg=jax.tree.unflatten(treedef, exp_avg),
+            exp_avg_sq=jax.tree.unflatten(treedef, exp_avg_sq),
+            master=jax.tree.unflatten(treedef, master),
             global_norm=norm,
             skipped=skipped,
             num_skipped=state.num_skipped + skipped.astype(jnp.int32),

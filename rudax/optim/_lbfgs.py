@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from rudax._validation import (
     check_floating_leaves,
@@ -50,7 +51,10 @@ class ScaleByLBFGSState(NamedTuple):
     ``(num_pairs - 1) % history_size``.
     """
 
-    count: jax.Array  # shape=(), int32: iterations taken (torch's n_iter)
+    # shape=(), int32: iterations taken (torch's n_iter).
+    # Named as optax names its counts, so optax.tree.get(state, "count") finds it; mypy
+    # reports the field for overriding tuple.count (a method), as optax's states override it.
+    count: jax.Array  # type: ignore[assignment]
     stopped: jax.Array  # shape=(), bool: the last update was zero (|g|_inf small or no descent)
     prev_params: optax.Params  # like params, in the history dtype: params at the last iteration
     prev_grads: optax.Updates  # like params, in the history dtype: gradients at the last iteration
@@ -152,9 +156,9 @@ def _refuse_complex(what: str, tree: Any) -> None:
 def scale_by_lbfgs(
     history_size: int = 100,
     *,
-    tolerance_grad: float = 1e-7,
-    tolerance_change: float = 1e-9,
-    history_dtype: Any = None,
+    tolerance_grad: float | jax.Array = 1e-7,
+    tolerance_change: float | jax.Array = 1e-9,
+    history_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformation:
     """Multiplies gradients by torch's L-BFGS inverse-Hessian approximation.
 
@@ -310,12 +314,12 @@ def lbfgs(
     *,
     history_size: int = 100,
     line_search: str | None = "strong_wolfe",
-    c1: float = 1e-4,
-    c2: float = 0.9,
+    c1: float | jax.Array = 1e-4,
+    c2: float | jax.Array = 0.9,
     max_linesearch_steps: int = 25,
-    tolerance_grad: float = 1e-7,
-    tolerance_change: float = 1e-9,
-    history_dtype: Any = None,
+    tolerance_grad: float | jax.Array = 1e-7,
+    tolerance_change: float | jax.Array = 1e-9,
+    history_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """L-BFGS as ``torch.optim.LBFGS``, one iteration per ``update``, with a strong-Wolfe search.
 

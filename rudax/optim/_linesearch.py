@@ -54,8 +54,8 @@ def _vdot(a: Any, b: Any) -> jax.Array:
 
 @static_arguments("max_linesearch_steps")
 def scale_by_strong_wolfe(
-    c1: float = 1e-4,
-    c2: float = 0.9,
+    c1: float | jax.Array = 1e-4,
+    c2: float | jax.Array = 0.9,
     *,
     max_linesearch_steps: int = 25,
 ) -> optax.GradientTransformationExtraArgs:
@@ -203,7 +203,7 @@ def _widen(tree: Any) -> Any:
     wide = [jnp.asarray(x).astype(compute_dtype(jnp.result_type(x), jnp.float32)) for x in leaves]
     if all(w.dtype == jnp.result_type(x) for w, x in zip(wide, leaves, strict=True)):
         return tree
-    return treedef.unflatten(wide)
+    return jax.tree.unflatten(treedef, wide)
 
 
 def _at_stored_dtypes(value_fn: Callable[..., jax.Array], params: Any) -> Callable[..., jax.Array]:
