@@ -52,6 +52,11 @@ def declared_static_arguments(factory: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(getattr(factory, _ATTRIBUTE, ()))
 
 
+def _static_when_zero(factory: Callable[..., Any]) -> tuple[str, ...]:
+    """The arguments ``factory`` declared static when given as the number 0 (``when_zero``)."""
+    return tuple(getattr(factory, _ZERO_ATTRIBUTE, ()))
+
+
 def inject_hyperparams(
     factory: Callable[..., optax.GradientTransformation],
     static_args: str | Iterable[str] = (),
@@ -100,7 +105,7 @@ def inject_hyperparams(
     names |= set(declared_static_arguments(factory))
     # optax annotates a dtype instance; jnp.float32 is a scalar type, the same dtype to it.
     dtype = None if hyperparam_dtype is None else jnp.dtype(hyperparam_dtype)
-    zero_static = tuple(getattr(factory, _ZERO_ATTRIBUTE, ()))
+    zero_static = _static_when_zero(factory)
     if not zero_static:
         return optax.inject_hyperparams(
             factory, static_args=tuple(sorted(names)), hyperparam_dtype=dtype
