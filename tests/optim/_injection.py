@@ -9,9 +9,10 @@ and asserts, for each wrapper:
 * the injected state has the plain optimizer's structure (``inner_state``);
 * three jitted updates equal the plain optimizer's, bit for bit unless ``rtol`` is given
   (then relative to each leaf's largest element, see ``assert_trees_equal``);
-* setting each float hyperparameter in the state to a new value gives the updates of the
-  plain optimizer built with that value (so no hyperparameter is injected and then ignored),
-  and none of these changes recompiles the jitted update (one compilation in all).
+* setting each float hyperparameter in the state to a new value changes the updates (so no
+  hyperparameter is injected and then ignored), a new learning rate gives the updates of the
+  plain optimizer built with it, and none of these changes recompiles the jitted update (one
+  compilation in all).
 
 The problem is ``0.5 |p - c|**2`` summed over the leaves, its gradients from ``jax.grad``;
 ``line_search=True`` passes L-BFGS's ``value``, ``grad`` and ``value_fn`` to ``update``.
@@ -145,8 +146,15 @@ def assert_injectable(
         num_steps,
     )
     plain_updates, plain_state = plain_run(**kwargs)
-    # The plain optimizer with each float changed: two updates, as the injected run below.
-    plain_changed = {key: plain_run(**{**kwargs, key: v})[0][:2] for key, v in new_values.items()}
+    # The plain optimizer with the learning rate changed: two updates, as the injected run
+    # below. Only the learning rate, the value users change at run time: a plain optimizer
+    # per float (ten for Muon) was a compilation each, over two minutes of CI. Every other
+    # float is still read back and must change the updates.
+    plain_changed = {
+        key: plain_run(**{**kwargs, key: v})[0][:2]
+        for key, v in new_values.items()
+        if key == "learning_rate"
+    }
     for name, wrap in wrappers(factory, optax_static_args).items():
         tx = wrap(**kwargs)
         state = tx.init(params)
@@ -173,8 +181,9 @@ def assert_injectable(
             )
             got, got_state = run(step, params, changed, 2)
             assert float(got_state.hyperparams[key]) == float(np.float32(value)), (name, key)
-            want = plain_changed[key]
-            assert_trees_equal(got, want, rtol=rtol, what=f"{name}: {key}={value}: updates")
+            if key in plain_changed:
+                want = plain_changed[key]
+                assert_trees_equal(got, want, rtol=rtol, what=f"{name}: {key}={value}: updates")
             if key in inert:
                 continue
             # The value is used: the updates differ from those with the first value.
