@@ -16,7 +16,7 @@ from rudax.optim._base import safe_increment, transformation
 from rudax.optim._compat import flatten_up_to
 from rudax.optim._inject import static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
-from rudax.optim._torch_chain import DecayMask, static_nonzero
+from rudax.optim._torch_chain import DecayMask, decay_flags, static_nonzero
 from rudax.optim._torch_chain import _check_mask_leaf as check_mask_leaf
 from rudax.optim._validation import check_learning_rate
 
@@ -124,30 +124,6 @@ def scale_by_adan(
     return with_moment_dtype(
         transformation(init_fn, update_fn), moment_dtype, owner="scale_by_adan"
     )
-
-
-def decay_flags(mask: DecayMask, params: Any, *, owner: str) -> list[bool]:
-    """Whether each leaf of ``params`` (in flattening order) decays, by optax's ``mask=`` rule.
-
-    ``mask`` is None (every leaf), a pytree of bools with the parameters' structure or a
-    prefix of it (a bool covers its whole subtree), or a callable of ``params`` returning one,
-    as ``rudax.optim._torch_chain.add_decayed_weights`` reads it. For the optimizers whose
-    decay is not the additive ``u + wd p`` (Adan's proximal step, fused AdamW's kernel), which
-    need the answer leaf by leaf. A mask of the wrong structure is a ValueError, a leaf that is
-    not a bool a TypeError naming its path; both name ``owner``.
-    """
-    if mask is None:
-        return [True] * len(jax.tree.leaves(params))
-    tree = mask(params) if callable(mask) else mask
-    try:
-        subtrees = flatten_up_to(tree, params)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"{owner}: mask must have the parameters' tree structure or a prefix of it "
-            f"(a pytree of bools, or a callable of params returning one): {e}"
-        ) from None
-    keeps = [check_mask_leaf(owner, path, k) for path, k in tree_flatten_with_path(tree)[0]]
-    return [keep for keep, sub in zip(keeps, subtrees, strict=True) for _ in jax.tree.leaves(sub)]
 
 
 class AdanScheduleState(NamedTuple):

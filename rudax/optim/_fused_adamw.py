@@ -34,14 +34,12 @@ from rudax._validation import (
     float_dtype,
 )
 from rudax.kernels._adamw_leaves import adamw_update_leaves
-from rudax.optim._adan import decay_flags
 from rudax.optim._base import safe_increment, transformation_with_extra_args
 from rudax.optim._clipping import clip_coefficient
 from rudax.optim._compat import flatten_up_to
-from rudax.optim._inject import static_arguments
-from rudax.optim._muon import check_not_injected
+from rudax.optim._inject import check_not_injected, static_arguments
 from rudax.optim._precision import as_weak
-from rudax.optim._torch_chain import DecayMask
+from rudax.optim._torch_chain import DecayMask, decay_flags
 from rudax.optim._torch_chain import _check_mask_leaf as check_mask_leaf
 from rudax.optim._validation import (
     check_gradients,

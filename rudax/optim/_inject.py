@@ -20,6 +20,7 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
@@ -127,3 +128,21 @@ def inject_hyperparams(
         return inject(*args, **kwargs)
 
     return wrapped
+
+
+def check_not_injected(owner: str, values: dict[str, Any]) -> None:
+    """A TypeError for a structural argument that arrives as an array, naming the fix.
+
+    ``optax.inject_hyperparams`` makes every int argument an array and takes every callable
+    (a dtype, a mask function) for a schedule, whose value is an array too. A loop count, a
+    buffer length or a dtype fixes the compiled program and cannot be one.
+    """
+    for name, value in values.items():
+        if isinstance(value, jax.Array):
+            raise TypeError(
+                f"{owner}: {name} shapes the compiled program and cannot be an array or a "
+                f"traced value, got {name}={value!r}. optax.inject_hyperparams makes int "
+                f"arguments arrays and callables (dtypes, masks) schedules: pass "
+                f"static_args=({name!r}, ...) to it, or use rudax.optim.inject_hyperparams, "
+                f"which keeps {owner}'s structural arguments static"
+            )

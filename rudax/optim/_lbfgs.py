@@ -31,9 +31,8 @@ from rudax._validation import (
     check_positive_int,
     float_dtype,
 )
-from rudax.optim._inject import static_arguments
+from rudax.optim._inject import check_not_injected, static_arguments
 from rudax.optim._linesearch import check_wolfe_constants, scale_by_strong_wolfe
-from rudax.optim._muon import check_not_injected
 from rudax.optim._precision import compute_dtype, scale_by_learning_rate
 from rudax.optim._validation import check_gradients, check_learning_rate, check_tree_like
 

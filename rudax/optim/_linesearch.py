@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from rudax._validation import check_in_range, check_positive_int
-from rudax.optim._inject import static_arguments
-from rudax.optim._muon import check_not_injected
+from rudax.optim._inject import check_not_injected, static_arguments
 from rudax.optim._precision import as_weak, compute_dtype
 from rudax.optim._validation import check_gradients, check_tree_like
 

@@ -22,10 +22,9 @@ from rudax._validation import (
     float_dtype,
 )
 from rudax.optim._adam import adamw
-from rudax.optim._adan import decay_flags
-from rudax.optim._inject import static_arguments
+from rudax.optim._inject import check_not_injected, static_arguments
 from rudax.optim._precision import as_weak, map_in_compute_dtype, with_moment_dtype
-from rudax.optim._torch_chain import DecayMask, torch_chain
+from rudax.optim._torch_chain import DecayMask, decay_flags, torch_chain
 from rudax.optim._torch_chain import _check_mask_leaf as check_mask_leaf
 from rudax.optim._validation import check_gradients, check_learning_rate
 
@@ -78,24 +77,6 @@ def _lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None, layout: str) -> 
     # torch's sqrt(max(1, A / B)) on its (out, in) weights: larger steps for layers that fan out.
     fan_in, fan_out = (rows, cols) if layout == "in_out" else (cols, rows)
     return math.sqrt(max(1.0, fan_out / fan_in))
-
-
-def check_not_injected(owner: str, values: dict[str, Any]) -> None:
-    """A TypeError for a structural argument that arrives as an array, naming the fix.
-
-    ``optax.inject_hyperparams`` makes every int argument an array and takes every callable
-    (a dtype, a mask function) for a schedule, whose value is an array too. A loop count, a
-    buffer length or a dtype fixes the compiled program and cannot be one.
-    """
-    for name, value in values.items():
-        if isinstance(value, jax.Array):
-            raise TypeError(
-                f"{owner}: {name} shapes the compiled program and cannot be an array or a "
-                f"traced value, got {name}={value!r}. optax.inject_hyperparams makes int "
-                f"arguments arrays and callables (dtypes, masks) schedules: pass "
-                f"static_args=({name!r}, ...) to it, or use rudax.optim.inject_hyperparams, "
-                f"which keeps {owner}'s structural arguments static"
-            )
 
 
 def _refuse_complex(owner: str, what: str, tree: Any, selected: Any = None) -> None:

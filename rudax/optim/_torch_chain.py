@@ -103,20 +103,38 @@ def add_decayed_weights(
         decay = lambda u, p: u + weight_decay * p
         if mask is None:
             return jax.tree.map(decay, updates, params), state
-        tree = mask(params) if callable(mask) else mask
-        try:
-            flatten_up_to(tree, updates)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"{owner}: mask must have the parameters' tree structure or a prefix of it "
-                f"(a pytree of bools, or a callable of params returning one): {e}"
-            ) from None
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        keeps = jax.tree.unflatten(treedef, [_check_mask_leaf(owner, path, k) for path, k in flat])
-        masked = lambda keep, u, p: jax.tree.map(decay, u, p) if keep else u
-        return jax.tree.map(masked, keeps, updates, params), state
+        flags = decay_flags(mask, params, owner=owner)
+        leaves, treedef = jax.tree.flatten(updates)
+        pairs = zip(flags, leaves, jax.tree.leaves(params), strict=True)
+        return jax.tree.unflatten(treedef, [decay(u, p) if f else u for f, u, p in pairs]), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def decay_flags(mask: DecayMask, params: Any, *, owner: str) -> list[bool]:
+    """Whether each leaf of ``params`` (in flattening order) decays, by optax's ``mask=`` rule.
+
+    ``mask`` is None (every leaf), a pytree of bools with the parameters' structure or a
+    prefix of it (a bool covers its whole subtree), or a callable of ``params`` returning one,
+    as ``add_decayed_weights`` reads it; Adan's proximal step and fused AdamW's kernel, whose
+    decay is not the additive ``u + wd p``, read it too. A mask of the wrong structure is a
+    ValueError, a leaf that is not a bool a TypeError naming its path; both name ``owner``.
+    """
+    if mask is None:
+        return [True] * len(jax.tree.leaves(params))
+    tree = mask(params) if callable(mask) else mask
+    try:
+        subtrees = flatten_up_to(tree, params)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{owner}: mask must have the parameters' tree structure or a prefix of it "
+            f"(a pytree of bools, or a callable of params returning one): {e}"
+        ) from None
+    keeps = [
+        _check_mask_leaf(owner, path, k)
+        for path, k in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    return [keep for keep, sub in zip(keeps, subtrees, strict=True) for _ in jax.tree.leaves(sub)]
 
 
 def torch_chain(
