@@ -15,6 +15,7 @@ from rudax.layers._embedding import TiedProjection as TiedProjection
 from rudax.layers._linear import Linear as Linear
 from rudax.layers._lora import Frozen as Frozen
 from rudax.layers._lora import LoRALinear as LoRALinear
+from rudax.layers._lora import LoRAParam as LoRAParam
 from rudax.layers._mlp import GatedMLP as GatedMLP
 from rudax.layers._norms import LayerNorm as LayerNorm
 from rudax.layers._norms import RMSNorm as RMSNorm
@@ -27,6 +28,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "LoRALinear",
+    "LoRAParam",
     "RMSNorm",
     "TiedProjection",
     "to_dtype",

@@ -49,6 +49,27 @@ def _freeze(module: nnx.Module) -> None:
             setattr(module, name, Frozen.from_metadata(value.get_raw_value(), value.get_metadata()))
 
 
+class LoRAParam(nnx.Param):
+    """A LoRA adapter matrix: an ``nnx.Param`` that filters can tell from the other parameters.
+
+    ``LoRALinear`` stores ``lora_a`` and ``lora_b`` as ``LoRAParam``. Being an ``nnx.Param``,
+    it is trained by default (``nnx.grad``, ``nnx.Optimizer``) and converted by
+    ``rudax.layers.to_dtype``; being its own type, ``nnx.state(model, LoRAParam)`` and
+    ``nnx.split(model, LoRAParam, ...)`` select exactly the adapters, leaving the model's
+    other trainable parameters (a norm's scale, an unadapted layer) out.
+
+    Example:
+      >>> from flax import nnx
+      >>> import rudax.layers as rl
+      >>> lora = rl.LoRALinear(rl.Linear(4, 3, rngs=nnx.Rngs(0)), 2, alpha=2.0, rngs=nnx.Rngs(1))
+      >>> model = nnx.Dict(lora=lora, norm=rl.RMSNorm(3, rngs=nnx.Rngs(2)))
+      >>> sorted(nnx.state(model, rl.LoRAParam)["lora"].keys())
+      ['lora_a', 'lora_b']
+      >>> sorted(nnx.state(model, nnx.Param).keys())
+      ['lora', 'norm']
+    """
+
+
 class LoRALinear(nnx.Module):
     """A frozen ``Linear`` plus a trainable low-rank adapter: ``y = base(x) + s * d(x) @ A @ B``.
 
@@ -59,20 +80,23 @@ class LoRALinear(nnx.Module):
         s = alpha / rank               (scale_rule="alpha/rank", LoRA and peft's default)
         s = alpha / sqrt(rank)         (scale_rule="alpha/sqrt(rank)", rsLoRA)
 
-    ``A`` is ``[in, rank]``, drawn from U(±1/sqrt(in)) as peft does (torch's ``kaiming_uniform_``
-    with ``a=sqrt(5)``, flax's ``he_uniform`` differs); ``B`` is ``[rank, out]`` and zero, so a
-    fresh adapter leaves the base's output unchanged.
+    ``A`` is ``[in, rank]`` and ``B`` ``[rank, out]``, both ``rudax.layers.LoRAParam``. ``A`` is
+    drawn from U(±1/sqrt(in)) as peft does (torch's ``kaiming_uniform_`` with ``a=sqrt(5)``,
+    flax's ``he_uniform`` differs) and ``B`` is zero, so a fresh adapter leaves the base's
+    output unchanged.
 
     The base is frozen in place: its ``nnx.Param`` variables (kernel, bias) are re-tagged as
     ``rudax.layers.Frozen`` (same arrays, no copy), so ``nnx.Param`` selects only A and B (and
-    the other trainable parameters of a model)::
+    the other trainable parameters of a model), and ``LoRAParam`` selects the adapters only::
 
-        graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)   # A, B only
+        graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)   # A, B (+ other Params)
+        graphdef, adapters, rest = nnx.split(model, rl.LoRAParam, ...)  # A, B only
         grads = nnx.grad(loss_fn)(model)       # wrt=nnx.Param by default: no base gradients
         opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     Args:
-      base: the ``rudax.layers.Linear`` to adapt; modified in place as above.
+      base: the ``rudax.layers.Linear`` or ``flax.nnx.Linear`` to adapt (both store the kernel
+        ``[in, out]``); modified in place as above, and called as it is (its own dtype rules).
       rank: the adapter's rank, > 0.
       alpha: the scale's numerator, > 0.
       dropout: dropout rate on the adapter's input, in [0, 1); ``train()``/``eval()`` and the
@@ -94,6 +118,8 @@ class LoRALinear(nnx.Module):
       >>> lora = rl.LoRALinear(rl.Linear(8, 4, rngs=nnx.Rngs(0)), 2, alpha=4.0, rngs=nnx.Rngs(1))
       >>> sorted(nnx.state(lora, nnx.Param).keys()), type(lora.base.kernel).__name__
       (['lora_a', 'lora_b'], 'Frozen')
+      >>> type(lora.lora_a).__name__, lora.scale
+      ('LoRAParam', 2.0)
       >>> lora(jnp.ones((3, 8))).shape
       (3, 4)
 
@@ -105,7 +131,7 @@ class LoRALinear(nnx.Module):
 
     def __init__(
         self,
-        base: Linear,
+        base: Linear | nnx.Linear,
         rank: int,
         *,
         alpha: float,
@@ -116,9 +142,14 @@ class LoRALinear(nnx.Module):
         a_init: nnx.Initializer = _DEFAULT_A_INIT,
         rngs: nnx.Rngs,
     ):
-        if not isinstance(base, Linear):
-            raise TypeError(f"base must be a rudax.layers.Linear, got {base=}")
+        if not isinstance(base, Linear | nnx.Linear):
+            raise TypeError(
+                f"base must be a rudax.layers.Linear or a flax.nnx.Linear, got "
+                f"{type(base).__name__}: {base=}"
+            )
         check_positive_int("rank", rank)
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}: {rngs=}")
         alpha = check_positive("alpha", alpha, accept="concrete")
         dropout = check_rate("dropout", dropout)
         if scale_rule not in _SCALE_RULES:
@@ -126,14 +157,20 @@ class LoRALinear(nnx.Module):
         self.dtype = float_dtype("dtype", dtype)
         param_dtype = float_dtype("param_dtype", param_dtype, allow_none=False)
         self.rank = rank
+        # alpha and the rule are kept (not only their quotient) for PEFT's adapter_config.json.
+        self.alpha = alpha
+        self.scale_rule = scale_rule
         self.scale = alpha / rank if scale_rule == "alpha/rank" else alpha / math.sqrt(rank)
-        _freeze(base)
-        self.base = base
         self.in_features = base.in_features
         self.out_features = base.out_features
-        self.lora_a = nnx.Param(a_init(rngs.params(), (base.in_features, rank), param_dtype))
-        self.lora_b = nnx.Param(jnp.zeros((rank, base.out_features), param_dtype))
+        # Everything that can fail (a bad rngs included) runs before the base is re-tagged, so
+        # a failed construction leaves the caller's layer as it was.
+        lora_a = a_init(rngs.params(), (base.in_features, rank), param_dtype)
         self.dropout = Dropout(dropout, rngs=rngs if dropout > 0.0 else None)
+        self.lora_a = LoRAParam(lora_a)
+        self.lora_b = LoRAParam(jnp.zeros((rank, base.out_features), param_dtype))
+        _freeze(base)
+        self.base = base
 
     def __call__(self, x: ArrayLike, *, deterministic: bool | None = None) -> jax.Array:
         x = jnp.asarray(x)

@@ -135,5 +135,39 @@ test_bad_arguments = rejects(
 
 
 def test_rejects_a_base_that_is_not_a_linear():
-    with pytest.raises(TypeError, match=r"base must be a rudax\.layers\.Linear"):
-        rl.LoRALinear(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), 2, alpha=1.0, rngs=nnx.Rngs(1))
+    with pytest.raises(TypeError, match=r"base must be a rudax\.layers\.Linear or a flax"):
+        rl.LoRALinear(rl.RMSNorm(4, rngs=nnx.Rngs(0)), 2, alpha=1.0, rngs=nnx.Rngs(1))
+
+
+def test_adapters_are_lora_params_and_alpha_and_rule_are_kept():
+    lora = make(rank=4, scale_rule="alpha/sqrt(rank)")
+    assert type(lora.lora_a) is rl.LoRAParam and type(lora.lora_b) is rl.LoRAParam
+    assert isinstance(lora.lora_a, nnx.Param)  # still trained by nnx.Param's filters
+    assert (lora.alpha, lora.scale_rule, lora.scale) == (4.0, "alpha/sqrt(rank)", 2.0)
+    _, adapters, rest = nnx.split(lora, rl.LoRAParam, ...)
+    assert sorted(adapters.keys()) == ["lora_a", "lora_b"]
+    assert [type(v) for _, v in nnx.to_flat_state(rest)] == [rl.Frozen, rl.Frozen]
+
+
+def test_a_flax_nnx_linear_base_matches_numpy():
+    base = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+    base.bias[...] = jnp.linspace(-1, 1, 4)
+    lora = rl.LoRALinear(base, 3, alpha=6.0, rngs=nnx.Rngs(1))
+    assert type(base.kernel) is rl.Frozen and type(base.bias) is rl.Frozen
+    assert sorted(nnx.state(lora, nnx.Param).keys()) == ["lora_a", "lora_b"]
+    lora.lora_b[...] = normal((3, 4), 3)
+    x = normal((5, 6), 2)
+    f64 = lambda v: np.asarray(v[...], np.float64)
+    xs = np.asarray(x, np.float64)
+    adapter = 2.0 * xs @ f64(lora.lora_a) @ f64(lora.lora_b)  # scale = alpha / rank = 2
+    expected = xs @ f64(base.kernel) + f64(base.bias) + adapter
+    np.testing.assert_allclose(lora(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_construction_leaves_the_base_trainable():
+    base = rl.Linear(4, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"rngs must be an nnx\.Rngs, got int"):
+        rl.LoRALinear(base, 2, alpha=1.0, rngs=0)
+    with pytest.raises(TypeError, match=r"param_dtype="):
+        rl.LoRALinear(base, 2, alpha=1.0, param_dtype=jnp.int32, rngs=nnx.Rngs(1))
+    assert type(base.kernel) is nnx.Param and type(base.bias) is nnx.Param
