@@ -1,13 +1,14 @@
 """rudax.kernels: Pallas kernels for the memory-bound parts of training, with exact XLA paths.
 
-Every op takes ``impl="auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``, and
-an ``interpret`` flag that runs its Pallas kernel on any backend (for tests). Each op's
-``*_reference`` is the pure-jnp definition it is tested against.
+Every Pallas op takes ``impl="auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or
+``"xla"``, and an ``interpret`` flag that runs its Pallas kernel on any backend (for tests).
+``linear_cross_entropy`` is XLA only: its fusion is the chunking, which saves memory, not a
+kernel. Each op's ``*_reference`` is the pure-jnp definition it is tested against.
 """
 
 # Public names, re-exported one per line (``from rudax.kernels._x import a as a``), each in its
 # block below, and listed again, sorted, in __all__. The blocks are in module order, the order
-# ruff's import sorting keeps.
+# ruff's import sorting keeps, within each ``isort: split`` section.
 
 # [block: adamw]
 # isort: split
@@ -27,6 +28,13 @@ from rudax.kernels._rms_norm import rms_norm as rms_norm
 from rudax.kernels._rms_norm import rms_norm_reference as rms_norm_reference
 from rudax.kernels._rowwise import RowBlock as RowBlock
 
+# [block: linear_cross_entropy]
+# isort: split
+from rudax.kernels._linear_cross_entropy import linear_cross_entropy as linear_cross_entropy
+from rudax.kernels._linear_cross_entropy import (
+    linear_cross_entropy_reference as linear_cross_entropy_reference,
+)
+
 # [block: silu_mul]
 from rudax.kernels._silu_mul import SiluMulBlock as SiluMulBlock
 from rudax.kernels._silu_mul import silu_mul as silu_mul
@@ -43,6 +51,8 @@ __all__: list[str] = [
     "global_norm_and_finite_reference",
     "layer_norm",
     "layer_norm_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
     "rms_norm",
     "rms_norm_reference",
     "silu_mul",
