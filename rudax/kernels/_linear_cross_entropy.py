@@ -3,8 +3,9 @@
 ``linear_cross_entropy(features, table, labels)`` is the summed cross entropy of the logits
 ``features @ table.T`` over the tokens whose label is not ``ignore_index``, and the number of
 those tokens, computed without materializing the logits. Under ``jax.grad`` the forward pass
-walks the tokens in chunks (a ``lax.scan``, so the chunks run one after the other whatever
-XLA's scheduler prefers); each chunk's logits live only while its loss and its gradients
+walks the tokens in chunks (a ``lax.scan``, so the chunks run one after the other: unrolled
+in Python, as ``examples/lm/loss.py`` had them, XLA's CPU schedule kept every chunk's logits
+alive at once); each chunk's logits live only while its loss and its gradients
 (``dfeatures`` for the chunk, its share of ``dtable``) are formed, so peak memory holds one
 chunk's logits instead of all of them, and each chunk's softmax is still in cache when its
 two backward matmuls read it. The backward pass only scales the saved gradients by the
