@@ -1,11 +1,15 @@
 """Causal self-attention with rotary positions: ``apply_rope``, ``causal_attention`` and the layer.
 
 The GPT in ``examples/lm/model.py`` uses ``CausalSelfAttention``; the two functions are
-its arithmetic, written out so each can be checked against a plain reference.
+its arithmetic, written out so each can be checked against a plain reference. The layer
+covers what Llama-family checkpoints need (``examples/lm/hf.py``): grouped-query attention,
+q/k/v biases (Qwen2), separate q/k/v projections beside the fused one, and Llama 3's
+frequency rewrite of RoPE (``Llama3RopeScaling``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -15,28 +19,124 @@ import numpy as np
 from flax import nnx
 
 import rudax.layers as rl
-from rudax._validation import check_positive, check_positive_int
+from rudax._validation import check_bool, check_positive, check_positive_int
 
 # GPT-2's initializer, N(0, 0.02), for both kernels unless the caller scales the output one.
 DEFAULT_INIT = nnx.initializers.normal(0.02)
 
 
-def apply_rope(x_BxTxHxK: jax.Array, *, theta: float = 10000.0) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rewrite of RoPE's frequencies for a longer context (``rope_type="llama3"``).
+
+    With ``L = original_max_position_embeddings`` and each frequency's wavelength
+    ``w = 2 pi / f``, a frequency is kept, divided by ``factor``, or blended between the two::
+
+        f' = f                          if w < L / high_freq_factor      (short wavelengths)
+        f' = f / factor                 if w > L / low_freq_factor       (long wavelengths)
+        f' = (1 - a) f / factor + a f   otherwise, a = (L / w - low_freq_factor)
+                                                       / (high_freq_factor - low_freq_factor)
+
+    Frozen and hashable, so a ``GPTConfig`` holding one stays a static jit argument.
+
+    Attributes:
+      factor: the divisor of the long wavelengths' frequencies, > 0 (8 in Llama 3.1).
+      low_freq_factor: > 0 (1 in Llama 3.1).
+      high_freq_factor: > low_freq_factor (4 in Llama 3.1).
+      original_max_position_embeddings: L, the pretraining context, a positive int (8192).
+
+    Example:
+      >>> from examples.lm.attention import Llama3RopeScaling
+      >>> Llama3RopeScaling(8.0, 1.0, 4.0, 8192).factor
+      8.0
+      >>> Llama3RopeScaling(8.0, 4.0, 1.0, 8192)
+      Traceback (most recent call last):
+      ...
+      ValueError: high_freq_factor must be > low_freq_factor=4.0, got high_freq_factor=1.0
+
+    References:
+      Meta, `The Llama 3 Herd of Models <https://arxiv.org/abs/2407.21783>`_, 2024.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(
+                self, name, check_positive(name, getattr(self, name), accept="static")
+            )
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor must be > low_freq_factor={self.low_freq_factor}, got "
+                f"high_freq_factor={self.high_freq_factor}"
+            )
+        check_positive_int(
+            "original_max_position_embeddings", self.original_max_position_embeddings
+        )
+
+
+def rope_frequencies(
+    head_dim: int, *, theta: float = 10000.0, scaling: Llama3RopeScaling | None = None
+) -> np.ndarray:
+    """RoPE's ``head_dim / 2`` angular frequencies ``f_i = theta ** (-2i / head_dim)``, float64.
+
+    With ``scaling`` they are rewritten as ``Llama3RopeScaling`` says. NumPy at trace time:
+    the frequencies are constants of the program.
+
+    Args:
+      head_dim: K, even and > 0.
+      theta: the base wavelength, > 0.
+      scaling: None, or a ``Llama3RopeScaling``.
+
+    Returns:
+      A float64 array of shape ``[head_dim // 2]``.
+
+    Example:
+      >>> from examples.lm.attention import Llama3RopeScaling, rope_frequencies
+      >>> rope_frequencies(4, theta=100.0).tolist()
+      [1.0, 0.1]
+      >>> # Wavelengths 6.3 < 32 / 4 (kept) and 62.8 > 32 / 1 (divided by 8).
+      >>> rope_frequencies(4, theta=100.0, scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 32)).tolist()
+      [1.0, 0.0125]
+    """
+    inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq
+    if not isinstance(scaling, Llama3RopeScaling):
+        raise TypeError(f"scaling must be None or a Llama3RopeScaling, got {scaling=}")
+    s, old = scaling, scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    blend = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    medium = (1 - blend) * inv_freq / s.factor + blend * inv_freq
+    out = np.where(wavelen > old / s.low_freq_factor, inv_freq / s.factor, medium)
+    return np.where(wavelen < old / s.high_freq_factor, inv_freq, out)
+
+
+def apply_rope(
+    x_BxTxHxK: jax.Array, *, theta: float = 10000.0, scaling: Llama3RopeScaling | None = None
+) -> jax.Array:
     """Rotary position embedding of queries or keys at positions ``0 .. T-1``, in fp32.
 
     Channel ``i`` is paired with channel ``i + K/2`` (GPT-NeoX's "rotate half" layout, the
     same rotation as RoFormer's interleaved pairs up to a fixed permutation of channels), and
-    the pair at position ``t`` is rotated by the angle ``t * theta ** (-2i / K)``::
+    the pair at position ``t`` is rotated by the angle ``t * f_i``, ``f_i = theta ** (-2i / K)``
+    (``rope_frequencies``)::
 
         y[i]       = x[i] * cos - x[i + K/2] * sin
         y[i + K/2] = x[i + K/2] * cos + x[i] * sin
 
-    The angles are computed in float64 with NumPy at trace time (constants of the program),
-    the rotation in fp32, and the result is returned in ``x``'s dtype.
+    This is Hugging Face Llama's ``x * cos + rotate_half(x) * sin`` with ``cos``/``sin`` of the
+    angles repeated over both halves. The angles are computed in float64 with NumPy at trace
+    time (constants of the program; transformers computes them in fp32), the rotation in
+    fp32, and the result is returned in ``x``'s dtype.
 
     Args:
       x_BxTxHxK: queries or keys, ``[batch, time, heads, head_dim]``, head_dim even.
       theta: the base wavelength, > 0.
+      scaling: None, or a ``Llama3RopeScaling`` rewriting the frequencies.
 
     Returns:
       An array of ``x``'s shape and dtype.
@@ -61,7 +161,7 @@ def apply_rope(x_BxTxHxK: jax.Array, *, theta: float = 10000.0) -> jax.Array:
             f"x.shape={x_BxTxHxK.shape}"
         )
     t, k = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
-    inv_freq = float(theta) ** (-np.arange(0, k, 2, dtype=np.float64) / k)
+    inv_freq = rope_frequencies(k, theta=theta, scaling=scaling)
     angles_TxK2 = np.arange(t, dtype=np.float64)[:, None] * inv_freq[None, :]
     cos = jnp.asarray(np.cos(angles_TxK2)[None, :, None, :], jnp.float32)
     sin = jnp.asarray(np.sin(angles_TxK2)[None, :, None, :], jnp.float32)
@@ -78,12 +178,17 @@ QUERY_BLOCK = 64
 
 def causal_attention(
     q_BxTxHxK: jax.Array,
-    k_BxTxHxK: jax.Array,
-    v_BxTxHxK: jax.Array,
+    k_BxTxGxK: jax.Array,
+    v_BxTxGxK: jax.Array,
     *,
     query_block: int = QUERY_BLOCK,
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(K) + causal mask) v``, scores and softmax in fp32.
+    """``softmax(q k^T / sqrt(K) + causal mask) v``, scores and softmax in fp32; GQA too.
+
+    Grouped-query attention: ``k`` and ``v`` may have ``G`` heads for ``q``'s ``H``, ``G``
+    dividing ``H``; query head ``h`` then attends with key/value head ``h // (H / G)``, the
+    grouping of transformers' ``repeat_kv``. The groups are a reshape of the queries, so the
+    keys and values are never repeated in memory.
 
     The queries are split into blocks of ``query_block`` rows; block ``[s, e)`` attends only
     to keys ``[0, e)``, the causal mask applied inside the block. The keys past ``e`` would
@@ -96,11 +201,13 @@ def causal_attention(
     ``jax.nn.dot_product_attention(..., is_causal=True)``.
 
     Args:
-      q_BxTxHxK, k_BxTxHxK, v_BxTxHxK: queries, keys, values of one dtype.
+      q_BxTxHxK: queries ``[batch, time, H, head_dim]``.
+      k_BxTxGxK, v_BxTxGxK: keys and values ``[batch, time, G, head_dim]``, ``H % G == 0``,
+        of q's dtype.
       query_block: query rows per block, >= 1; ``T`` or more: one block, the full form.
 
     Returns:
-      ``[batch, time, heads, head_dim]`` in ``v``'s dtype.
+      ``[batch, time, H, head_dim]`` in ``v``'s dtype.
 
     Example:
       >>> import jax.numpy as jnp
@@ -111,50 +218,81 @@ def causal_attention(
       >>> q = jnp.zeros((1, 3, 1, 1))  # blocks of 2 query rows: the same result
       >>> causal_attention(q, q, v, query_block=2)[0, :, 0, 0]
       Array([0. , 0.5, 1. ], dtype=float32)
+      >>> q2 = jnp.zeros((1, 3, 2, 1))  # two query heads share the one key/value head
+      >>> causal_attention(q2, q, v)[0, :, :, 0]
+      Array([[0. , 0. ],
+             [0.5, 0.5],
+             [1. , 1. ]], dtype=float32)
     """
-    shapes = {q_BxTxHxK.shape, k_BxTxHxK.shape, v_BxTxHxK.shape}
-    if len(shapes) != 1 or q_BxTxHxK.ndim != 4:
+    q, k, v = q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
+    if (
+        q.ndim != 4
+        or k.shape != v.shape
+        or k.ndim != 4
+        or q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:]
+        or q.shape[2] % k.shape[2]
+    ):
         raise ValueError(
-            f"causal_attention expects q, k, v of one [batch, time, heads, head_dim] shape, got "
-            f"q.shape={q_BxTxHxK.shape}, k.shape={k_BxTxHxK.shape}, v.shape={v_BxTxHxK.shape}"
+            f"causal_attention expects q [batch, time, heads, head_dim] and k, v of one "
+            f"[batch, time, kv_heads, head_dim] shape, kv_heads dividing heads, got "
+            f"q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
         )
     check_positive_int("query_block", query_block)
-    t, k = q_BxTxHxK.shape[1], q_BxTxHxK.shape[-1]
-    scale = 1.0 / math.sqrt(k)
+    b, t, h, kd = q.shape
+    g = k.shape[2]
+    scale = 1.0 / math.sqrt(kd)
+    if g == h:  # one key/value head per query head: no group axis in the einsums
+        q_score, s_spec, o_spec = q, "bthk,bshk->bhts", "bhts,bshk->bthk"
+    else:
+        q_score, s_spec, o_spec = (
+            q.reshape(b, t, g, h // g, kd),
+            "btgrk,bsgk->bgrts",
+            "bgrts,bsgk->btgrk",
+        )
     outs = []
     for s in range(0, t, query_block):
         e = min(s + query_block, t)
         scores = (
-            jnp.einsum(
-                "bthk,bshk->bhts",
-                q_BxTxHxK[:, s:e],
-                k_BxTxHxK[:, :e],
-                preferred_element_type=jnp.float32,
-            )
+            jnp.einsum(s_spec, q_score[:, s:e], k[:, :e], preferred_element_type=jnp.float32)
             * scale
         )
         # Query row s + i sees keys 0 .. s + i. -inf is safe: every row keeps its diagonal.
         mask = np.tril(np.ones((e - s, e), bool), k=s)
         probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-        outs.append(jnp.einsum("bhts,bshk->bthk", probs.astype(v_BxTxHxK.dtype), v_BxTxHxK[:, :e]))
+        out = jnp.einsum(o_spec, probs.astype(v.dtype), v[:, :e])
+        outs.append(out if g == h else out.reshape(b, e - s, h, kd))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 class CausalSelfAttention(nnx.Module):
-    """Multi-head causal self-attention with RoPE: ``out(attention(rope(q), rope(k), v))``.
+    """Causal self-attention with RoPE and H query heads: ``out(attention(rope(q), rope(k), v))``.
 
-    ``qkv`` is one ``Linear(d, 3d)`` (one matmul instead of three) whose output is read as
-    ``[q | k | v]``, each split into heads; ``out`` is a ``Linear(d, d)``. Neither has a bias.
-    Both compute in ``dtype`` and the layer calls them (never reads their kernels), so
-    ``rudax.sharding`` can swap them for their sharded forms.
+    ``G = num_kv_heads`` key/value heads (grouped-query attention; ``G = H`` is multi-head
+    attention) of ``K = features // num_heads`` channels. The projections, in one of two
+    layouts:
+
+    * ``fused_qkv=True``: ``qkv``, one ``Linear(d, (H + 2G) K)`` (one matmul instead of
+      three) whose output is read as ``[q | k | v]``, each split into heads;
+    * ``fused_qkv=False``: ``q``, ``k``, ``v``, a ``Linear(d, H K)`` and two
+      ``Linear(d, G K)``: the layout of Hugging Face's ``q_proj``/``k_proj``/``v_proj``, in
+      which a LoRA adapter on one of them alone is exact (``rudax.layers.apply_lora``).
+
+    and ``out``, a ``Linear(H K, d)`` without bias (``o_proj``). q, k and v have biases only
+    with ``qkv_bias`` (Qwen2's layout). Every projection computes in ``dtype`` and the layer
+    calls them (never reads their kernels), so ``rudax.sharding`` can swap them for their
+    sharded forms and ``apply_lora`` for adapted ones.
 
     Args:
       features: d, the input and output size, a multiple of ``num_heads``.
-      num_heads: attention heads; ``features // num_heads`` must be even (RoPE rotates pairs).
+      num_heads: H, query heads; ``features // num_heads`` must be even (RoPE rotates pairs).
+      num_kv_heads: G, key/value heads, dividing H; None for H.
+      fused_qkv: the projections' layout, above.
+      qkv_bias: whether q, k and v have biases (initialized to zeros).
       rope_theta: RoPE's base wavelength, > 0.
+      rope_scaling: None, or a ``Llama3RopeScaling`` rewriting RoPE's frequencies.
       dtype: compute dtype; None for the input's.
-      param_dtype: storage dtype of both kernels.
-      kernel_init: initializer of the ``qkv`` kernel.
+      param_dtype: storage dtype of the kernels and biases.
+      kernel_init: initializer of the ``qkv`` kernel (of ``q``, ``k`` and ``v``'s).
       out_init: initializer of the ``out`` kernel.
       rngs: the ``nnx.Rngs`` whose ``params`` stream draws the kernels.
 
@@ -169,9 +307,13 @@ class CausalSelfAttention(nnx.Module):
       >>> attn = CausalSelfAttention(8, 2, rngs=nnx.Rngs(0))
       >>> attn(jnp.ones((1, 5, 8))).shape
       (1, 5, 8)
+      >>> gqa = CausalSelfAttention(16, 4, num_kv_heads=2, fused_qkv=False, rngs=nnx.Rngs(0))
+      >>> gqa.q.kernel.shape, gqa.k.kernel.shape, gqa(jnp.ones((1, 5, 16))).shape
+      ((16, 16), (16, 8), (1, 5, 16))
 
     References:
-      Vaswani et al., `Attention Is All You Need <https://arxiv.org/abs/1706.03762>`_, 2017.
+      Vaswani et al., `Attention Is All You Need <https://arxiv.org/abs/1706.03762>`_, 2017;
+      Ainslie et al., `GQA <https://arxiv.org/abs/2305.13245>`_, 2023.
     """
 
     def __init__(
@@ -179,7 +321,11 @@ class CausalSelfAttention(nnx.Module):
         features: int,
         num_heads: int,
         *,
+        num_kv_heads: int | None = None,
+        fused_qkv: bool = True,
+        qkv_bias: bool = False,
         rope_theta: float = 10000.0,
+        rope_scaling: Llama3RopeScaling | None = None,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         kernel_init: nnx.Initializer = DEFAULT_INIT,
@@ -193,26 +339,59 @@ class CausalSelfAttention(nnx.Module):
                 f"features must be a multiple of num_heads={num_heads} with an even quotient "
                 f"(RoPE rotates pairs of channels), got {features=}"
             )
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_heads={num_heads}, got {num_kv_heads=}")
+        check_bool("fused_qkv", fused_qkv)
+        check_bool("qkv_bias", qkv_bias)
+        if rope_scaling is not None and not isinstance(rope_scaling, Llama3RopeScaling):
+            raise TypeError(
+                f"rope_scaling must be None or a Llama3RopeScaling, got {rope_scaling=}"
+            )
         self.rope_theta = check_positive("rope_theta", rope_theta, accept="static")
-        self.features, self.num_heads = features, num_heads
-        linear = lambda n_out, init: rl.Linear(
+        self.rope_scaling = rope_scaling
+        self.features, self.num_heads, self.num_kv_heads = features, num_heads, num_kv_heads
+        self.fused_qkv = fused_qkv
+        head_dim = features // num_heads
+        linear = lambda n_out, init, bias: rl.Linear(
             features,
             n_out,
-            use_bias=False,
+            use_bias=bias,
             dtype=dtype,
             param_dtype=param_dtype,
             kernel_init=init,
             rngs=rngs,
         )
-        self.qkv = linear(3 * features, kernel_init)
-        self.out = linear(features, out_init)
+        q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        if fused_qkv:
+            self.qkv = linear(q_out + 2 * kv_out, kernel_init, qkv_bias)
+        else:
+            self.q = linear(q_out, kernel_init, qkv_bias)
+            self.k = linear(kv_out, kernel_init, qkv_bias)
+            self.v = linear(kv_out, kernel_init, qkv_bias)
+        self.out = linear(features, out_init, False)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The attribute names of the layer's projections, in their layout."""
+        return ("qkv", "out") if self.fused_qkv else ("q", "k", "v", "out")
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         x_BxTxD = jnp.asarray(x_BxTxD)
         if x_BxTxD.ndim != 3:
             raise ValueError(f"CausalSelfAttention expects x[B, T, d], got x.shape={x_BxTxD.shape}")
         b, t, d = x_BxTxD.shape
-        qkv = self.qkv(x_BxTxD).reshape(b, t, 3, self.num_heads, d // self.num_heads)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        q, k = apply_rope(q, theta=self.rope_theta), apply_rope(k, theta=self.rope_theta)
-        return self.out(causal_attention(q, k, v).reshape(b, t, d))
+        h, g, kd = self.num_heads, self.num_kv_heads, d // self.num_heads
+        if not self.fused_qkv:
+            q = self.q(x_BxTxD).reshape(b, t, h, kd)
+            k = self.k(x_BxTxD).reshape(b, t, g, kd)
+            v = self.v(x_BxTxD).reshape(b, t, g, kd)
+        elif g == h:
+            qkv = self.qkv(x_BxTxD).reshape(b, t, 3, h, kd)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            q, k, v = jnp.split(self.qkv(x_BxTxD), [h * kd, (h + g) * kd], axis=-1)
+            q, k, v = q.reshape(b, t, h, kd), k.reshape(b, t, g, kd), v.reshape(b, t, g, kd)
+        rope = lambda y: apply_rope(y, theta=self.rope_theta, scaling=self.rope_scaling)
+        return self.out(causal_attention(rope(q), rope(k), v).reshape(b, t, d))

@@ -4,6 +4,12 @@ Pre-norm decoder blocks, LLaMA-style: RMSNorm -> causal self-attention with rota
 -> residual -> RMSNorm -> SwiGLU MLP (or ``MoE``) -> residual; a final RMSNorm and logits
 through the token embedding's own table (``TiedProjection``). No biases, no dropout.
 
+The defaults are the README's main job. The other fields of ``GPTConfig`` make the same
+model a Llama (or Qwen2) checkpoint's (``examples/lm/hf.py``): grouped-query attention
+(``n_kv_heads``), an untied output head (``tie_embeddings=False``), separate q/k/v
+projections (``fused_qkv=False``), q/k/v biases (``qkv_bias``) and Llama 3's RoPE
+(``rope_scaling``).
+
 Read top to bottom: ``GPTConfig``, ``Block``, ``GPT`` (attention is in
 ``examples/lm/attention.py``, the experts in ``examples/lm/moe.py``), then what a trainer
 needs: ``loss_sum`` (the contract with token-weighted gradient accumulation),
@@ -23,11 +29,12 @@ from flax import nnx
 
 import rudax.layers as rl
 import rudax.sharding as rs
-from examples.lm.attention import CausalSelfAttention
+from examples.lm.attention import CausalSelfAttention, Llama3RopeScaling
 from examples.lm.loss import linear_cross_entropy_sum
 from examples.lm.moe import IMPLS, MoE
 from rudax._validation import (
     STORAGE_DTYPES,
+    check_bool,
     check_int,
     check_non_negative,
     check_positive,
@@ -58,13 +65,25 @@ class GPTConfig:
         ``flops_per_token`` and the input check use it).
       d_model: width of the residual stream, a multiple of ``n_heads``.
       n_layers: number of blocks.
-      n_heads: attention heads; ``d_model // n_heads`` must be even (RoPE rotates pairs).
+      n_heads: attention (query) heads; ``d_model // n_heads`` must be even (RoPE rotates
+        pairs).
+      n_kv_heads: key/value heads of grouped-query attention, dividing ``n_heads``; None for
+        ``n_heads`` (multi-head attention). Filled in by ``__post_init__``, as ``mlp_hidden``.
       mlp_hidden: hidden size of each (expert) MLP; None for SwiGLU's ``8/3 * d_model``
         rounded up to a multiple of 64, which keeps the MLP's parameter count that of a
         4x GELU MLP. Filled in by ``__post_init__``, so it is always an int (and
         ``dataclasses.replace(config, d_model=...)`` keeps it: pass ``mlp_hidden=None`` too).
       rope_theta: RoPE's base wavelength.
+      rope_scaling: None, or a ``Llama3RopeScaling`` (Llama 3.1's rewrite of the
+        frequencies).
       norm_eps: RMSNorm's epsilon.
+      tie_embeddings: True: the logits are made with the token embedding's table; False: with
+        a table of their own, ``[vocab_size, d_model]`` as Hugging Face's ``lm_head.weight``
+        (a second ``Embedding``-shaped table in a ``TiedProjection``, so the fused loss and
+        FSDP treat both alike).
+      fused_qkv: True: one ``qkv`` projection (faster); False: separate ``q``, ``k``, ``v``
+        projections, in which LoRA on one of them alone is exact (the form ``load_hf`` builds).
+      qkv_bias: whether q, k and v have biases (Qwen2's layout).
       param_dtype: storage dtype of every parameter (bf16, fp16 or fp32). Train bf16 storage
         with ``rudax.optim.fp32_master``.
       dtype: compute dtype of the activations and logits (bf16, fp16 or fp32); the loss is
@@ -103,6 +122,11 @@ class GPTConfig:
     moe_aux_weight: float = 0.01
     moe_impl: str = "auto"
     loss_chunk: int | None = 1024
+    n_kv_heads: int | None = None
+    tie_embeddings: bool = True
+    fused_qkv: bool = True
+    qkv_bias: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -119,6 +143,20 @@ class GPTConfig:
         if self.mlp_hidden is None:
             object.__setattr__(self, "mlp_hidden", _round_up(8 * self.d_model / 3, 64))
         check_positive_int("mlp_hidden", self.mlp_hidden)
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads must divide n_heads={self.n_heads}, got n_kv_heads={self.n_kv_heads}"
+            )
+        for name in ("tie_embeddings", "fused_qkv", "qkv_bias"):
+            check_bool(name, getattr(self, name))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise TypeError(
+                f"rope_scaling must be None or a Llama3RopeScaling, got "
+                f"rope_scaling={self.rope_scaling!r}"
+            )
         check_positive("rope_theta", self.rope_theta, accept="static")
         check_positive("norm_eps", self.norm_eps, accept="static")
         for name in ("param_dtype", "dtype"):
@@ -179,7 +217,11 @@ class Block(nnx.Module):
         self.attn = CausalSelfAttention(
             c.d_model,
             c.n_heads,
+            num_kv_heads=c.n_kv_heads,
+            fused_qkv=c.fused_qkv,
+            qkv_bias=c.qkv_bias,
             rope_theta=c.rope_theta,
+            rope_scaling=c.rope_scaling,
             dtype=c.dtype,
             param_dtype=c.param_dtype,
             kernel_init=nnx.initializers.normal(INIT_STD),
@@ -231,7 +273,8 @@ class GPT(nnx.Module):
 
         x = embed(tokens)                              (compute dtype)
         for block in blocks: x, aux_l = block(x)
-        logits = norm(x) @ embed.T                     (the embedding table, tied)
+        logits = norm(x) @ table.T                     (table: the embedding's, tied, or
+                                                        the head's own [V, d] one)
         aux_loss = mean_l(aux_l)                       (0 for a dense model)
 
     The sublayers are called, never read into (no ``self.embed.embedding[...]``): ``shard``
@@ -280,7 +323,19 @@ class GPT(nnx.Module):
         self.norm = rl.RMSNorm(
             c.d_model, epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype
         )
-        self.head = rl.TiedProjection(self.embed, dtype=c.dtype)
+        # An untied head is a table of its own, in an Embedding that only the head holds: the
+        # same [V, d] layout, so loss_sum's fused loss and shard() need no second code path.
+        table = self.embed
+        if not c.tie_embeddings:
+            table = rl.Embedding(
+                c.vocab_size,
+                c.d_model,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                embedding_init=nnx.initializers.normal(INIT_STD),
+                rngs=rngs,
+            )
+        self.head = rl.TiedProjection(table, dtype=c.dtype)
 
     def __call__(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
         h_BxTxD, aux = self.features(tokens_BxT)
@@ -386,13 +441,18 @@ def flops_per_token(config: GPTConfig) -> float:
     ``6 N`` for the ``N`` matmul parameters a token actually uses (2 FLOPs per multiply-add,
     forward, plus twice that backward), attention's score and value products, and the head::
 
-        N     = n_layers * (4 d^2 + 3 d h * k + d E)     (k = top_k and E experts, or 1 and 0)
+        N     = n_layers * (2 d^2 + 2 d G K + 3 d h * k + d E)
+                    (G K = n_kv_heads * head_dim, d without GQA; k = top_k and E experts,
+                     or 1 and 0)
         flops = 6 N + 6 n_layers seq_len d + 6 d V
 
-    The attention term is PaLM's ``12 n_layers n_heads head_dim seq_len`` (appendix B)
-    halved, counting only the causal half of the score matrix. The embedding lookup is not a
-    matmul and counts nothing; the tied head counts once, as a matmul. For an MoE model this
-    is the model's FLOPs, not the hardware's: ``moe_impl="dense"`` computes all E experts.
+    q and out are ``d x d``, k and v ``d x G K``. The attention term is PaLM's
+    ``12 n_layers n_heads head_dim seq_len`` (appendix B) halved, counting only the causal
+    half of the score matrix; grouped-query attention does not change it (every query head
+    still scores every key). The embedding lookup is not a matmul and counts nothing; the
+    head counts once, as a matmul, tied or not (an untied head's table is read by the
+    matmul only). Biases are not matmuls. For an MoE model this is the model's FLOPs, not
+    the hardware's: ``moe_impl="dense"`` computes all E experts.
 
     Args:
       config: a ``GPTConfig``.
@@ -413,18 +473,21 @@ def flops_per_token(config: GPTConfig) -> float:
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}: {config=}")
     c = config
-    d, h = c.d_model, c.mlp_hidden
+    d, h, kv = c.d_model, c.mlp_hidden, c.n_kv_heads * c.head_dim
     experts, k = (c.num_experts, c.top_k) if c.num_experts else (0, 1)
-    n = c.n_layers * (4 * d * d + 3 * d * h * k + d * experts)
+    n = c.n_layers * (2 * d * d + 2 * d * kv + 3 * d * h * k + d * experts)
     return float(6 * n + 6 * c.n_layers * c.seq_len * d + 6 * d * c.vocab_size)
 
 
 def shard(model: GPT, ctx: rs.ShardingContext, *, compute_dtype: Any = None) -> GPT:
     """The same GPT with every layer in its FSDP form (``rudax.sharding``), ties kept.
 
-    Each ``Embedding``, ``Linear``, ``RMSNorm``, ``GatedMLP`` and ``MoE`` becomes a
-    ``ShardedModule`` whose parameters are ``ShardedParameter``s split over ``ctx``'s axis;
-    the tied head and the embedding share one sharded table, so its gradient sums both uses.
+    Each module at the model's places (the embedding, the norms, each attention projection
+    in either layout, the MLP or ``MoE``, the head) becomes a ``ShardedModule`` whose
+    parameters are ``ShardedParameter``s split over ``ctx``'s axis, whatever sits there: a
+    ``Linear``, or the ``LoRALinear`` that ``rudax.layers.apply_lora`` put in its place (its
+    frozen base and trainable adapter both sharded). A tied head and the embedding share one
+    sharded table, so its gradient sums both uses; an untied head shards its own.
     ``model`` is not modified (the result is built on a structural copy that shares its
     arrays). Run the result inside ``jax.shard_map`` with the parameter state split
     ``P(ctx.axis_name)`` and each rank's own batch; ``jax.grad`` of the ranks' summed
@@ -459,15 +522,18 @@ def shard(model: GPT, ctx: rs.ShardingContext, *, compute_dtype: Any = None) -> 
         raise TypeError(f"ctx must be a rudax.sharding.ShardingContext, got {ctx!r}")
     sharded = nnx.merge(*nnx.split(model))
     kw = dict(compute_dtype=compute_dtype)
-    sharded.embed = ctx.embedding(sharded.embed, **kw)
+    # ctx.module at every place, not ctx.linear and its kin: it takes whatever module sits
+    # there (a Linear, or a LoRALinear that apply_lora put in its place) and shards exactly
+    # what the typed methods would for the plain layers.
+    sharded.embed = ctx.module(sharded.embed, **kw)
     for block in sharded.blocks:
-        block.attn_norm = ctx.rms_norm(block.attn_norm, **kw)
-        block.attn.qkv = ctx.linear(block.attn.qkv, **kw)
-        block.attn.out = ctx.linear(block.attn.out, **kw)
-        block.mlp_norm = ctx.rms_norm(block.mlp_norm, **kw)
+        block.attn_norm = ctx.module(block.attn_norm, **kw)
+        for name in block.attn.projections:
+            setattr(block.attn, name, ctx.module(getattr(block.attn, name), **kw))
+        block.mlp_norm = ctx.module(block.mlp_norm, **kw)
         block.mlp = ctx.module(block.mlp, **kw)
-    sharded.norm = ctx.rms_norm(sharded.norm, **kw)
-    # ctx.module, not ctx.tied_projection: it keeps the head's compute dtype, and the head's
-    # table is the embedding's variable, which the context has already sharded once.
+    sharded.norm = ctx.module(sharded.norm, **kw)
+    # ctx.module, not ctx.tied_projection: it keeps the head's compute dtype, and a tied
+    # head's table is the embedding's variable, which the context has already sharded once.
     sharded.head = ctx.module(sharded.head, **kw)
     return sharded

@@ -91,11 +91,13 @@ def decay_mask(params: Any) -> Any:
     """Which parameters weight decay shrinks: the weight matrices, not norms, biases or embedding.
 
     True for every leaf of logical rank >= 2 outside the embedding: the attention and MLP
-    matrices, the MoE router and the stacked 3-D experts. False for norm scales and biases
-    (rank 1) and for the embedding, which is also the tied output head: torch's parameter
-    group with ``weight_decay=0``, as minGPT, modded-nanogpt and OLMo 2 leave them. Decay
-    there shrinks per-channel gains and the logits' scale rather than limiting how the
-    matrices fit.
+    matrices (fused ``qkv`` or separate ``q``/``k``/``v``), the MoE router, the stacked 3-D
+    experts, an untied output head's own table (``head.embedding``, a matrix as minGPT's
+    ``lm_head.weight``) and LoRA adapters' A and B. False for norm scales and biases (rank 1:
+    Qwen2's q/k/v biases too) and for the embedding, which is also the tied output head:
+    torch's parameter group with ``weight_decay=0``, as minGPT, modded-nanogpt and OLMo 2
+    leave them. Decay there shrinks per-channel gains and the logits' scale rather than
+    limiting how the matrices fit.
 
     A ``ShardedParameter`` (FSDP) counts as one leaf, its rank its logical shape's: the mask is
     a prefix of the parameters' tree, which ``mask=`` takes as optax does (a bool covers its

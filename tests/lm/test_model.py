@@ -2,6 +2,8 @@
 
 Every comparison runs a tiny fp32 model; the references are NumPy (RoPE, attention, cross
 entropy, the MoE forward), a per-token jnp loop (the MoE gradient) and one device (FSDP).
+The Llama layouts (GQA, separate q/k/v, untied head, biases, Llama 3 RoPE) are checked
+against transformers itself in tests/lm/test_hf.py.
 """
 
 import doctest
@@ -18,11 +20,19 @@ from jax.sharding import PartitionSpec as P
 import examples.lm.attention as attention
 import examples.lm.model as model_lib
 import examples.lm.moe as moe_lib
+import rudax.layers as rl
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.lm.attention import CausalSelfAttention, apply_rope, causal_attention
+from examples.lm.attention import (
+    CausalSelfAttention,
+    Llama3RopeScaling,
+    apply_rope,
+    causal_attention,
+    rope_frequencies,
+)
 from examples.lm.model import GPT, GPTConfig, flops_per_token, loss_sum, shard
 from examples.lm.moe import MoE, load_balancing_loss
+from examples.lm.step import decay_mask
 
 F32 = dict(param_dtype=jnp.float32, dtype=jnp.float32)
 # One block: every test of a whole model compiles it, and compiling dominates these tests.
@@ -68,14 +78,14 @@ def test_shapes_dtypes_tied_table_and_causality():
     assert not np.array_equal(np.asarray(after)[:, t:], np.asarray(logits)[:, t:])
 
 
-def _np_rope(x, theta):
-    """Rotates each channel pair (i, i + K/2) at position t by t * theta**(-2i/K)."""
+def _np_rope(x, theta, freqs=None):
+    """Rotates each channel pair (i, i + K/2) at position t by t * theta**(-2i/K) (or freqs[i])."""
     x = np.asarray(x, np.float64)
     out = np.empty_like(x)
     half = x.shape[-1] // 2
     for t in range(x.shape[1]):
         for i in range(half):
-            a = t * theta ** (-2.0 * i / x.shape[-1])
+            a = t * (theta ** (-2.0 * i / x.shape[-1]) if freqs is None else freqs[i])
             rot = np.array([[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]])
             pair = np.stack([x[:, t, :, i], x[:, t, :, i + half]], axis=-1)  # [B, H, 2]
             out[:, t, :, i], out[:, t, :, i + half] = np.moveaxis(pair @ rot.T, -1, 0)
@@ -95,6 +105,30 @@ def test_rope_is_a_rotation_by_position_and_scores_depend_on_offsets_only():
         diag = np.diagonal(scores, offset=offset, axis1=1, axis2=2)
         np.testing.assert_allclose(diag, diag[:, :1].repeat(diag.shape[1], 1), rtol=1e-4)
     assert rope(x.astype(jnp.bfloat16), theta=100.0).dtype == jnp.bfloat16
+
+
+def test_llama3_rope_rewrites_the_frequencies_by_wavelength():
+    # Llama 3.1's published rule, one frequency at a time (its paper's code, in words).
+    scaling = Llama3RopeScaling(8.0, 1.0, 4.0, 64)
+    want = []
+    for i in range(8):
+        f = 500.0 ** (-2.0 * i / 16)
+        wavelength = 2 * np.pi / f
+        if wavelength < 64 / 4.0:
+            want.append(f)
+        elif wavelength > 64 / 1.0:
+            want.append(f / 8.0)
+        else:
+            smooth = (64 / wavelength - 1.0) / (4.0 - 1.0)
+            want.append((1 - smooth) * f / 8.0 + smooth * f)
+    got = rope_frequencies(16, theta=500.0, scaling=scaling)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    plain = rope_frequencies(16, theta=500.0)
+    kept, divided = got == plain, np.isclose(got, plain / 8.0)
+    assert kept.any() and divided.any() and (~kept & ~divided).any()  # all three branches
+    x = _normal(2, 6, 3, 16)
+    y = jax.jit(lambda x: apply_rope(x, theta=500.0, scaling=scaling))(x)
+    np.testing.assert_allclose(np.asarray(y), _np_rope(x, 500.0, want), rtol=1e-5, atol=1e-6)
 
 
 def _np_softmax(s, axis=-1):
@@ -122,6 +156,58 @@ def test_attention_layer_matches_plain_numpy():
         lambda *a: (causal_attention(*a), jax.nn.dot_product_attention(*a, is_causal=True))
     )(*qkv_heads)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(jax_own), rtol=1e-5, atol=1e-6)
+
+
+def test_gqa_attention_with_biases_matches_numpy_in_both_layouts():
+    # 4 query heads sharing 2 key/value heads (head h reads kv head h // 2, transformers'
+    # repeat_kv), q/k/v biases; the fused layer holds the same weights as column blocks.
+    separate = CausalSelfAttention(
+        16, 4, num_kv_heads=2, fused_qkv=False, qkv_bias=True, rope_theta=50.0, rngs=nnx.Rngs(1)
+    )
+    for i, name in enumerate("qkv"):
+        getattr(separate, name).bias.set_value(
+            jnp.asarray(_normal(16 if name == "q" else 8, seed=i))
+        )
+    w = {
+        n: np.asarray(getattr(separate, n).kernel.get_value(), np.float64)
+        for n in ("q", "k", "v", "out")
+    }
+    bias = {n: np.asarray(getattr(separate, n).bias.get_value(), np.float64) for n in "qkv"}
+    x = _normal(2, 5, 16).astype(np.float64)
+    q = (x @ w["q"] + bias["q"]).reshape(2, 5, 4, 4)
+    k = np.repeat((x @ w["k"] + bias["k"]).reshape(2, 5, 2, 4), 2, axis=2)
+    v = np.repeat((x @ w["v"] + bias["v"]).reshape(2, 5, 2, 4), 2, axis=2)
+    q, k = _np_rope(q, 50.0), _np_rope(k, 50.0)
+    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(4)
+    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
+    want = np.einsum("bhts,bshk->bthk", _np_softmax(scores), v).reshape(2, 5, 16) @ w["out"]
+
+    fused = CausalSelfAttention(
+        16, 4, num_kv_heads=2, qkv_bias=True, rope_theta=50.0, rngs=nnx.Rngs(0)
+    )
+    assert fused.qkv.kernel.shape == (16, 32) and fused.projections == ("qkv", "out")
+    assert separate.projections == ("q", "k", "v", "out")
+    fused.qkv.kernel.set_value(
+        jnp.concatenate(
+            [separate.q.kernel[...], separate.k.kernel[...], separate.v.kernel[...]], axis=1
+        )
+    )
+    fused.qkv.bias.set_value(
+        jnp.concatenate([separate.q.bias[...], separate.k.bias[...], separate.v.bias[...]])
+    )
+    fused.out.kernel.set_value(separate.out.kernel[...])
+    for layer in (separate, fused):
+        got = _forward(layer, jnp.asarray(x, jnp.float32))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    # The grouped arithmetic in blocks of 2 query rows (a ragged last block), against the
+    # keys and values repeated per query head.
+    q, k, v = _normal(2, 5, 4, 4, seed=3), _normal(2, 5, 2, 4, seed=4), _normal(2, 5, 2, 4, seed=5)
+    kr, vr = (np.repeat(a.astype(np.float64), 2, axis=2) for a in (k, v))
+    scores = np.einsum("bthk,bshk->bhts", q.astype(np.float64), kr) / np.sqrt(4)
+    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
+    want = np.einsum("bhts,bshk->bthk", _np_softmax(scores), vr)
+    got = jax.jit(causal_attention, static_argnames="query_block")(q, k, v, query_block=2)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("query_block", [1, 2, 3, 5])
@@ -200,6 +286,54 @@ def test_loss_falls_over_twenty_adamw_steps_on_a_repeated_batch():
         losses.append(float(loss))
     assert step._cache_size() == 1
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+# Every Llama-checkpoint field at once: GQA, separate q/k/v with biases, an untied head.
+LLAMA = dict(n_heads=4, n_kv_heads=2, fused_qkv=False, qkv_bias=True, tie_embeddings=False)
+
+
+def test_untied_head_has_its_own_table_in_the_fused_and_plain_loss():
+    config = _config(**LLAMA)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    assert model.head.embedding is not model.embed.embedding
+    assert model.head.embedding.shape == (32, 16)  # [V, d]: HF's lm_head.weight layout
+    tied = GPT(_config(**{**LLAMA, "tie_embeddings": True}), rngs=nnx.Rngs(0))
+    n = lambda m: len(jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert n(model) == n(tied) + 1
+    # The fused chunked loss reads the head's own table: value and gradients equal the
+    # plain full-logits loss (loss_chunk=None) of the same weights.
+    graph, params = nnx.split(model)
+    plain_graph = nnx.graphdef(GPT(_config(**LLAMA, loss_chunk=None), rngs=nnx.Rngs(0)))
+    batch = _batch(2, 9)
+    grads = jax.jit(
+        lambda p, g: jax.value_and_grad(lambda p: loss_sum(nnx.merge(g, p), batch)[0])(p),
+        static_argnums=1,
+    )
+    (fused_loss, fused), (plain_loss, plain) = grads(params, graph), grads(params, plain_graph)
+    np.testing.assert_allclose(float(fused_loss), float(plain_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # The head's table gets the logits' gradient, the embedding only the lookup's.
+    head_grad, embed_grad = fused["head"]["embedding"][...], fused["embed"]["embedding"][...]
+    assert np.abs(np.asarray(head_grad)).min(axis=1).max() > 0  # every row: softmax mass
+    untouched = sorted(set(range(32)) - set(batch[:, :-1].ravel().tolist()))
+    np.testing.assert_array_equal(np.asarray(embed_grad)[untouched], 0.0)
+
+
+def test_decay_mask_decays_the_new_matrices_not_the_biases():
+    model = GPT(_config(**LLAMA), rngs=nnx.Rngs(0))
+    model.blocks[0].attn.v = rl.LoRALinear(model.blocks[0].attn.v, 2, alpha=4.0, rngs=nnx.Rngs(1))
+    mask = {
+        path: v.get_value()
+        for path, v in nnx.to_flat_state(decay_mask(nnx.state(model, nnx.Param)))
+    }
+    attn = ("blocks", 0, "attn")
+    assert mask[("head", "embedding")] is True  # an untied head is a matrix like the others
+    assert mask[("embed", "embedding")] is False
+    assert mask[(*attn, "q", "kernel")] is True and mask[(*attn, "k", "kernel")] is True
+    assert mask[(*attn, "q", "bias")] is False and mask[(*attn, "k", "bias")] is False
+    assert mask[(*attn, "v", "lora_a")] is True and mask[(*attn, "v", "lora_b")] is True
+    assert (*attn, "v", "base", "kernel") not in mask  # frozen: not a parameter
 
 
 # ---------------------------------------------------------------------------------- MoE
@@ -296,7 +430,11 @@ def test_load_balancing_loss_on_hand_made_routings():
 # -------------------------------------------------------------------------------- FLOPs
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(num_experts=4, top_k=2)], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(num_experts=4, top_k=2), LLAMA, {**LLAMA, "n_kv_heads": 1, "fused_qkv": True}],
+    ids=["dense", "moe", "llama", "mqa-fused"],
+)
 def test_flops_per_token_counts_the_matmul_parameters_a_token_uses(overrides):
     config = _config(**overrides)
     model = GPT(config, rngs=nnx.Rngs(0))
@@ -305,9 +443,9 @@ def test_flops_per_token_counts_the_matmul_parameters_a_token_uses(overrides):
         name, size = path[-1], var.get_value().size
         if name in ("w_gate", "w_up", "w_down"):  # E experts stored, top_k used
             used += size // config.num_experts * config.top_k
-        elif name == "kernel":  # qkv, out, the dense MLP, the router
+        elif name == "kernel":  # qkv (or q, k, v), out, the dense MLP, the router
             used += size
-    head = config.vocab_size * config.d_model
+    head = config.vocab_size * config.d_model  # tied or not: one matmul with a [V, d] table
     attention = config.n_layers * config.seq_len * config.d_model
     assert flops_per_token(config) == 6 * used + 6 * attention + 6 * head
 
@@ -320,8 +458,8 @@ N = 8
 @pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices")
 @pytest.mark.parametrize(
     ("overrides", "mesh_kind"),
-    [({}, "auto"), (dict(num_experts=4, top_k=2), "explicit")],
-    ids=["dense-auto", "moe-explicit"],
+    [({}, "auto"), (dict(num_experts=4, top_k=2), "explicit"), ({**LLAMA, "lora": True}, "auto")],
+    ids=["dense-auto", "moe-explicit", "llama-lora-auto"],
 )
 def test_sharded_loss_and_gradients_equal_one_device(overrides, mesh_kind):
     devices = jax.devices()[:N]
@@ -329,7 +467,15 @@ def test_sharded_loss_and_gradients_equal_one_device(overrides, mesh_kind):
         mesh = jax.make_mesh((N,), ("fsdp",), devices=devices)
     else:
         mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    lora = overrides.pop("lora", False)
     model = GPT(_config(**overrides), rngs=nnx.Rngs(0))
+    if lora:  # adapters on q and v, as apply_lora puts them; B non-zero, so they matter
+        for name in ("q", "v"):
+            layer = rl.LoRALinear(
+                getattr(model.blocks[0].attn, name), 2, alpha=4.0, rngs=nnx.Rngs(1)
+            )
+            layer.lora_b.set_value(jnp.asarray(_normal(*layer.lora_b.shape, seed=7)))
+            setattr(model.blocks[0].attn, name, layer)
     sharded = shard(model, rs.ShardingContext(mesh, "fsdp"))
     assert model.blocks[0].mlp is not sharded.blocks[0].mlp  # model itself is unchanged
     batch = _batch(N, 9)
@@ -381,6 +527,12 @@ def test_sharded_loss_and_gradients_equal_one_device(overrides, mesh_kind):
         (dict(num_experts=4, top_k=5), ValueError, "top_k must be <= num_experts=4, got top_k=5"),
         (dict(moe_aux_weight=-0.1), ValueError, "moe_aux_weight must be a finite number >= 0"),
         (dict(moe_impl="sparse"), ValueError, "moe_impl must be one of .*got moe_impl='sparse'"),
+        (dict(n_kv_heads=3), ValueError, "n_kv_heads must divide n_heads=2, got n_kv_heads=3"),
+        (dict(n_kv_heads=0), ValueError, "n_kv_heads must be a positive int"),
+        (dict(tie_embeddings="no"), TypeError, "tie_embeddings must be a bool"),
+        (dict(fused_qkv=1), TypeError, "fused_qkv must be a bool, got fused_qkv=1"),
+        (dict(qkv_bias=None), TypeError, "qkv_bias must be a bool"),
+        (dict(rope_scaling={"factor": 8.0}), TypeError, "rope_scaling must be None or a Llama3"),
     ],
 )
 def test_bad_config_names_the_field_and_value(overrides, error, match):
@@ -410,9 +562,21 @@ def test_bad_input():
         shard(model, mesh)
     with pytest.raises(ValueError, match="features must be a multiple of num_heads=4"):
         CausalSelfAttention(12, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(
+        ValueError, match="num_kv_heads must divide num_heads=4, got num_kv_heads=3"
+    ):
+        CausalSelfAttention(16, 4, num_kv_heads=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="factor must be a finite number > 0"):
+        Llama3RopeScaling(0.0, 1.0, 4.0, 8192)
+    with pytest.raises(ValueError, match="original_max_position_embeddings must be a positive"):
+        Llama3RopeScaling(8.0, 1.0, 4.0, 0)
+    with pytest.raises(TypeError, match="scaling must be None or a Llama3RopeScaling"):
+        rope_frequencies(8, scaling=(8.0, 1.0, 4.0, 8192))
+    with pytest.raises(ValueError, match=r"kv_heads dividing heads.*k.shape=\(1, 2, 3, 4\)"):
+        causal_attention(jnp.ones((1, 2, 4, 4)), jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 3, 4)))
     with pytest.raises(ValueError, match=r"even head_dim, got x.shape=\(1, 2, 1, 3\)"):
         apply_rope(jnp.ones((1, 2, 1, 3)))
-    with pytest.raises(ValueError, match=r"one \[batch, time, heads, head_dim\] shape.*k.shape"):
+    with pytest.raises(ValueError, match=r"kv_heads dividing heads, got q.shape.*k.shape"):
         causal_attention(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 3, 1, 4)), jnp.ones((1, 3, 1, 4)))
     with pytest.raises(ValueError, match="top_k must be <= num_experts=2, got top_k=3"):
         MoE(4, 8, 2, top_k=3, rngs=nnx.Rngs(0))
