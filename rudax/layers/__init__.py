@@ -3,11 +3,16 @@
 Every layer casts explicitly (it runs under strict dtype promotion), takes a compute ``dtype``
 (None: the input's dtype) apart from its parameters' ``param_dtype``, and uses rudax.kernels'
 fused ops for its memory-bound parts (norms, SwiGLU). ``to_dtype`` converts a model's
-parameter storage while keeping tied variables tied and frozen ones frozen.
+parameter storage while keeping tied variables tied and frozen ones frozen. ``apply_lora``
+puts LoRA on any Linear layers chosen by name and ``merge_lora`` folds it back.
 """
 
 # Public names, re-exported one per line (``from rudax.layers._x import a as a``), sorted as
 # isort sorts them, and listed again in __all__.
+from rudax.layers._apply_lora import ModuleNames as ModuleNames
+from rudax.layers._apply_lora import apply_lora as apply_lora
+from rudax.layers._apply_lora import lora_state as lora_state
+from rudax.layers._apply_lora import merge_lora as merge_lora
 from rudax.layers._dropout import Dropout as Dropout
 from rudax.layers._dtype import to_dtype as to_dtype
 from rudax.layers._embedding import Embedding as Embedding
@@ -29,7 +34,11 @@ __all__ = [
     "Linear",
     "LoRALinear",
     "LoRAParam",
+    "ModuleNames",
     "RMSNorm",
     "TiedProjection",
+    "apply_lora",
+    "lora_state",
+    "merge_lora",
     "to_dtype",
 ]

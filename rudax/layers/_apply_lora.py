@@ -1,0 +1,435 @@
+"""apply_lora / merge_lora: LoRA on the Linear layers of any nnx model, chosen by module name."""
+
+from __future__ import annotations
+
+import re
+import typing
+from collections.abc import Iterable, MutableMapping, MutableSequence, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from rudax.layers._linear import Linear
+from rudax.layers._lora import Frozen, LoRALinear, LoRAParam
+
+Path: TypeAlias = tuple[str | int, ...]
+
+ModuleNames: TypeAlias = typing.Callable[[tuple[str | int, ...]], str | None]
+ModuleNames.__doc__ = """The name a module is known by outside the model, from its nnx path.
+
+A function ``names(path) -> str | None``: ``path`` is the module's path inside the model, the
+keys attribute and item access use (``("blocks", 0, "attn", "q")``), and the result is the
+module's name in another library's layout (peft's and torch's module names,
+``"model.layers.0.self_attn.q_proj"``), or None for a module that has no such name (it is
+then neither adaptable nor saved). The default, ``names=None``, is
+``".".join(map(str, path))``: ``"blocks.0.attn.q"``. The library knows no model family; a
+model's loader supplies its mapping.
+"""
+
+_LINEARS = (Linear, nnx.Linear)
+
+
+def default_names(path: Path) -> str:
+    """The default ModuleNames: keys joined by dots, ``("blocks", 0, "q")`` -> ``blocks.0.q``."""
+    return ".".join(map(str, path))
+
+
+@dataclass(frozen=True)
+class _Module:
+    """A module of a model with its name under a ModuleNames."""
+
+    name: str
+    path: Path  # the path this entry names it by (a shared module has one entry per path)
+    module: nnx.Module
+
+
+def _resolve_names(names: ModuleNames | None) -> ModuleNames:
+    if names is None:
+        return default_names
+    if not callable(names):
+        raise TypeError(f"names must be a callable path -> str | None, or None, got {names=}")
+    return names
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}: {model=}")
+
+
+def named_modules(model: nnx.Module, names: ModuleNames | None = None) -> list[_Module]:
+    """Every module below model's root that names gives a name, sorted by name.
+
+    A module held at several paths is listed under each (so that targeting any of its names
+    finds it, and apply_lora can refuse it by all of them). The insides of a ``LoRALinear``
+    (its base, its dropout) are left out: the adapted layer is known by its own name, as
+    peft's ``lora.Linear`` is. Two paths with one name are a ValueError.
+    """
+    _check_model(model)
+    names = _resolve_names(names)
+    modules = [
+        (_as_path(path), node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Module) and path != ()
+    ]
+    by_first_path = dict(modules)
+    for paths in nnx.find_duplicates(model):
+        node = by_first_path.get(_as_path(paths[0]))
+        if node is not None:
+            modules += [(_as_path(p), node) for p in paths[1:]]
+    lora_paths = [path for path, node in modules if isinstance(node, LoRALinear)]
+    found: dict[str, _Module] = {}
+    for path, node in modules:
+        if any(path[: len(p)] == p and path != p for p in lora_paths):
+            continue
+        name = names(path)
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise TypeError(
+                f"names must return a str or None, got {name!r} for the module at "
+                f"{_keystr(path)} ({type(node).__name__})"
+            )
+        if name in found:
+            raise ValueError(
+                f"names gives two modules the same name {name!r}: {_keystr(found[name].path)} "
+                f"and {_keystr(path)}"
+            )
+        found[name] = _Module(name, path, node)
+    return [found[name] for name in sorted(found)]
+
+
+def target_matcher(targets: str | Sequence[str]) -> typing.Callable[[str], bool]:
+    """peft's ``target_modules`` test: a regex str must fullmatch the name; a list of names
+    matches a name equal to one of them or ending with "." + one of them."""
+    if isinstance(targets, str):
+        if targets.lower() == "all-linear":
+            raise ValueError(
+                "targets='all-linear' is peft's shorthand for every linear layer but the output "
+                "head, which rudax cannot tell apart; pass the module names (a list) or a regex"
+            )
+        try:
+            pattern = re.compile(targets)
+        except re.error as e:
+            raise ValueError(f"targets is not a valid regular expression ({e}): {targets=}") from e
+        return lambda name: pattern.fullmatch(name) is not None
+    if not isinstance(targets, Iterable) or isinstance(targets, bytes):
+        raise TypeError(
+            f"targets must be a list of module names or a regular expression str, got {targets=}"
+        )
+    items = list(targets)
+    if not items:
+        raise ValueError(f"targets must name at least one module, got {targets=}")
+    for t in items:
+        if not isinstance(t, str):
+            raise TypeError(f"targets must hold str module names, got {t!r} in {targets=}")
+        if not t:
+            raise ValueError(f"targets must hold non-empty module names, got '' in {targets=}")
+    exact = frozenset(items)
+    suffixes = tuple("." + t for t in items)
+    return lambda name: name in exact or name.endswith(suffixes)
+
+
+def _candidates_text(modules: list[_Module]) -> str:
+    linear = [m.name for m in modules if isinstance(m.module, _LINEARS)]
+    return f"the Linear layers are {linear}" if linear else "the model has no Linear layer"
+
+
+def _check_not_shared(model: nnx.Module, chosen: list[_Module]) -> None:
+    """A target layer or one of its variables held elsewhere too is refused.
+
+    LoRALinear re-tags its base's parameters as Frozen by replacing the variables inside the
+    base, so a kernel tied to another module would silently stop being one variable, and a
+    layer used at two places would be adapted at one of them only.
+    """
+    duplicates = [[_as_path(p) for p in paths] for paths in nnx.find_duplicates(model)]
+    for m in chosen:
+        for paths in duplicates:
+            if m.path in paths:
+                raise ValueError(
+                    f"{m.name!r} is one layer reached by several paths "
+                    f"{[_keystr(p) for p in paths]}; LoRA would adapt it at one of them only. "
+                    "Adapt a model whose shared layers are not targets"
+                )
+            inside = [p for p in paths if p[: len(m.path)] == m.path and len(p) > len(m.path)]
+            if inside:
+                others = [_keystr(p) for p in paths if p not in inside]
+                raise ValueError(
+                    f"{m.name!r}: its variable {_keystr(inside[0])} is tied to {others}; LoRA "
+                    "freezes the base by re-tagging its variables, which would untie them. "
+                    "Untie it first, or leave this layer out of targets"
+                )
+
+
+def plan_lora(
+    model: nnx.Module, targets: str | Sequence[str], names: ModuleNames | None
+) -> list[_Module]:
+    """The Linear layers apply_lora would adapt, sorted by name, after every check; no change."""
+    match = target_matcher(targets)
+    modules = named_modules(model, names)
+    chosen = [m for m in modules if match(m.name)]
+    if not chosen:
+        raise ValueError(
+            f"targets={targets!r} matches no module of the model; {_candidates_text(modules)}"
+        )
+    adapted = [m.name for m in chosen if isinstance(m.module, LoRALinear)]
+    if adapted:
+        raise ValueError(f"targets={targets!r} matches layers that already have LoRA: {adapted}")
+    wrong = [
+        f"{m.name} ({type(m.module).__name__})"
+        for m in chosen
+        if not isinstance(m.module, _LINEARS)
+    ]
+    if wrong:
+        raise TypeError(
+            f"targets={targets!r} matches modules that are not a rudax.layers.Linear or "
+            f"flax.nnx.Linear: {wrong}; {_candidates_text(modules)}"
+        )
+    _check_not_shared(model, chosen)
+    for m in chosen:
+        _check_replaceable(model, m.path)
+    return chosen
+
+
+def _node_at(model: nnx.Module, path: Path) -> Any:
+    node: Any = model
+    key: Any  # an int indexes a list, a str names an attribute or a dict's item
+    for key in path:
+        node = node[key] if isinstance(node, Sequence | MutableMapping) else getattr(node, key)
+    return node
+
+
+def _check_replaceable(model: nnx.Module, path: Path) -> None:
+    parent = _node_at(model, path[:-1])
+    if not (
+        isinstance(parent, MutableSequence | MutableMapping)
+        or (isinstance(parent, nnx.Module) and isinstance(path[-1], str))
+    ):
+        raise TypeError(
+            f"cannot replace the module at {_keystr(path)}: it sits in a "
+            f"{type(parent).__name__}, which cannot be changed in place (use nnx.List or nnx.Dict)"
+        )
+
+
+def _replace(model: nnx.Module, path: Path, new: Any) -> None:
+    parent = _node_at(model, path[:-1])
+    key: Any = path[-1]
+    if isinstance(parent, MutableSequence | MutableMapping):
+        parent[key] = new
+    else:
+        setattr(parent, key, new)
+
+
+def apply_lora(
+    model: nnx.Module,
+    targets: str | Sequence[str],
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    scale_rule: str = "alpha/rank",
+    dtype: DTypeLike | None = None,
+    param_dtype: DTypeLike = jnp.float32,
+    names: ModuleNames | None = None,
+    rngs: nnx.Rngs,
+) -> list[str]:
+    """Replaces, in place, each Linear layer whose name matches targets by a LoRALinear over it.
+
+    For every ``rudax.layers.Linear`` or ``flax.nnx.Linear`` ``W`` whose name matches::
+
+        W  ->  LoRALinear(W, rank, alpha=alpha, ...):   y = W(x) + s * d(x) @ A @ B
+
+    with ``W``'s parameters re-tagged ``rudax.layers.Frozen`` (not trained), ``A``, ``B``
+    ``rudax.layers.LoRAParam`` and ``B = 0``, so the model's outputs are unchanged until it
+    trains. Names are ``names(path)`` (default: the nnx path joined by dots), and they match
+    as peft's ``target_modules``:
+
+    - a list of names matches a module whose name equals one of them or ends with
+      ``"." + name``: ``["q_proj", "v_proj"]`` adapts ``model.layers.3.self_attn.q_proj``;
+    - a str is a regular expression that must match the whole name:
+      ``r".*\\.(q|v)_proj"``.
+
+    Modules anywhere in the graph are found: attributes, ``nnx.List``, ``nnx.Dict``,
+    ``nnx.Sequential``. A target layer that is shared (one layer at two paths, or a kernel
+    tied to another module) is refused rather than untied. A fresh A is drawn for each layer
+    from ``rngs``'s ``params`` stream, in the order of the sorted names.
+
+    ``rudax.layers.to_dtype`` converts A and B with the rest (``LoRAParam`` is an
+    ``nnx.Param``); for a bf16 base under fp32 adapters, convert them back:
+    ``to_dtype(model, jnp.bfloat16)`` then ``to_dtype(model, jnp.float32, only=rl.LoRAParam)``.
+
+    Args:
+      model: an ``nnx.Module``; modified in place.
+      targets: module names (a list or tuple of str) or one regex str, as above.
+      rank, alpha, dropout, scale_rule, dtype, param_dtype: ``rudax.layers.LoRALinear``'s,
+        the same for every adapted layer.
+      names: a ``ModuleNames`` function; None for the dotted nnx path.
+      rngs: an ``nnx.Rngs`` (``params`` draws A, ``dropout`` the masks).
+
+    Returns:
+      The adapted names, sorted. Targets that match nothing, match a module that is not a
+      Linear or one that already has LoRA are errors naming the modules, raised before the
+      model is changed.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import rudax.layers as rl
+      >>> rngs = nnx.Rngs(0)
+      >>> block = lambda: nnx.Dict(q_proj=rl.Linear(4, 4, rngs=rngs), up=rl.Linear(4, 8, rngs=rngs))
+      >>> model = nnx.Dict(layers=nnx.List([block(), block()]))
+      >>> rl.apply_lora(model, ["q_proj"], rank=2, alpha=4.0, rngs=rngs)
+      ['layers.0.q_proj', 'layers.1.q_proj']
+      >>> type(model["layers"][1]["q_proj"]).__name__, list(rl.lora_state(model)["layers"][0])
+      ('LoRALinear', ['q_proj'])
+      >>> rl.apply_lora(model, r"layers\\.1\\.up", rank=2, alpha=4.0, rngs=rngs)
+      ['layers.1.up']
+
+    References:
+      peft's ``LoraConfig.target_modules``,
+      https://huggingface.co/docs/peft/package_reference/lora.
+    """
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}: {rngs=}")
+    chosen = plan_lora(model, targets, names)
+    # Every LoRALinear is built before any is put in place: its checks run first (a bad rank
+    # fails on the first layer, before its base is re-tagged), so an error changes nothing.
+    bases = [m.module for m in chosen if isinstance(m.module, Linear | nnx.Linear)]
+    assert len(bases) == len(chosen)  # plan_lora checked that each is a Linear
+    built = [
+        LoRALinear(
+            base,
+            rank,
+            alpha=alpha,
+            dropout=dropout,
+            scale_rule=scale_rule,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        for base in bases
+    ]
+    for m, lora in zip(chosen, built, strict=True):
+        _replace(model, m.path, lora)
+    return [m.name for m in chosen]
+
+
+def lora_modules(model: nnx.Module, names: ModuleNames | None = None) -> list[_Module]:
+    """The model's LoRALinear layers with their names, sorted by name."""
+    return [m for m in named_modules(model, names) if isinstance(m.module, LoRALinear)]
+
+
+def merge_lora(model: nnx.Module, *, names: ModuleNames | None = None) -> list[str]:
+    """Folds every LoRALinear into its base, in place: the model has plain Linear layers again.
+
+    Each ``LoRALinear`` (scale ``s``, adapters ``A [in, r]``, ``B [r, out]``) is replaced, at
+    every path that holds it, by its base with::
+
+        kernel = round(f32(kernel) + s * f32(A) @ f32(B))     (round: once, to kernel's dtype)
+
+    computed in fp32 at full matmul precision, the bias unchanged, and the base's ``Frozen``
+    variables re-tagged ``nnx.Param`` (trainable again, as peft's ``merge_and_unload`` leaves
+    them). Dropout plays no part: the merged model computes the adapter's eval-mode output.
+    Called outside ``jit``: it replaces modules.
+
+    Args:
+      model: an ``nnx.Module`` holding LoRALinear layers; modified in place.
+      names: a ``ModuleNames`` function, for the returned names; None for the dotted path.
+
+    Returns:
+      The merged layers' names, sorted (the dotted path for a layer ``names`` maps to None).
+      A model without a LoRALinear is a ValueError.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import rudax.layers as rl
+      >>> model = nnx.Dict(proj=rl.Linear(4, 3, rngs=nnx.Rngs(0)))
+      >>> rl.apply_lora(model, ["proj"], rank=2, alpha=2.0, rngs=nnx.Rngs(1))
+      ['proj']
+      >>> model["proj"].lora_b[...] = jnp.ones((2, 3))
+      >>> x = jnp.ones((1, 4))
+      >>> y = model["proj"](x)
+      >>> rl.merge_lora(model)
+      ['proj']
+      >>> type(model["proj"]).__name__, type(model["proj"].kernel).__name__
+      ('Linear', 'Param')
+      >>> bool(jnp.allclose(model["proj"](x), y, atol=1e-5))
+      True
+    """
+    _check_model(model)
+    names = _resolve_names(names)
+    found = [
+        (_as_path(path), node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, LoRALinear) and path != ()
+    ]
+    if not found:
+        raise ValueError(f"merge_lora: the model has no LoRALinear layer: {type(model).__name__}")
+    duplicates = [[_as_path(p) for p in paths] for paths in nnx.find_duplicates(model)]
+    # A LoRALinear held at several paths (built by hand) is replaced at all of them.
+    holders = [next((ps for ps in duplicates if path in ps), [path]) for path, _ in found]
+    for paths in holders:
+        for p in paths:
+            _check_replaceable(model, p)
+    merged = []
+    for (path, lora), paths in zip(found, holders, strict=True):
+        base = lora.base
+        kernel = base.kernel.get_value()
+        delta = jnp.matmul(
+            lora.lora_a.get_value().astype(jnp.float32),
+            lora.lora_b.get_value().astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        new_kernel = (kernel.astype(jnp.float32) + lora.scale * delta).astype(kernel.dtype)
+        for attr, var in list(vars(base).items()):
+            if isinstance(var, Frozen):
+                value = new_kernel if attr == "kernel" else var.get_raw_value()
+                setattr(base, attr, nnx.Param.from_metadata(value, var.get_metadata()))
+        for p in paths:
+            _replace(model, p, base)
+        name = names(path)
+        merged.append(name if isinstance(name, str) else default_names(path))
+    return sorted(merged)
+
+
+def lora_state(model: nnx.Module) -> nnx.State:
+    """The model's LoRA adapters, every ``lora_a`` and ``lora_b``: ``nnx.state(model, LoRAParam)``.
+
+    The state to give the optimizer and the checkpoint when only the adapters train; the same
+    filter splits the model (``nnx.split(model, rl.LoRAParam, ...)``) for a functional step.
+
+    Args:
+      model: an ``nnx.Module``.
+
+    Returns:
+      An ``nnx.State`` with the ``LoRAParam`` variables only, at their paths in the model.
+
+    Example:
+      >>> from flax import nnx
+      >>> import rudax.layers as rl
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Dict(q=rl.Linear(4, 4, rngs=rngs), norm=rl.RMSNorm(4, rngs=rngs))
+      >>> _ = rl.apply_lora(model, ["q"], rank=2, alpha=2.0, rngs=rngs)
+      >>> [(path, v.shape) for path, v in nnx.to_flat_state(rl.lora_state(model))]
+      [(('q', 'lora_a'), (4, 2)), (('q', 'lora_b'), (2, 4))]
+    """
+    _check_model(model)
+    return nnx.state(model, LoRAParam)
+
+
+def _as_path(parts: tuple[Any, ...]) -> Path:
+    """An nnx path (typed ``tuple[Hashable, ...]``) as what it holds: attribute names, indices."""
+    return typing.cast(Path, parts)
+
+
+def _keystr(path: Path) -> str:
+    """An nnx path as the attribute access it stands for: ``.blocks[0].q``."""
+    keys = [
+        jax.tree_util.SequenceKey(k) if isinstance(k, int) else jax.tree_util.GetAttrKey(k)
+        for k in path
+    ]
+    return jax.tree_util.keystr(tuple(keys))
