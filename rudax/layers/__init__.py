@@ -4,7 +4,8 @@ Every layer casts explicitly (it runs under strict dtype promotion), takes a com
 (None: the input's dtype) apart from its parameters' ``param_dtype``, and uses rudax.kernels'
 fused ops for its memory-bound parts (norms, SwiGLU). ``to_dtype`` converts a model's
 parameter storage while keeping tied variables tied and frozen ones frozen. ``apply_lora``
-puts LoRA on any Linear layers chosen by name and ``merge_lora`` folds it back.
+puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
+``save_adapter`` / ``load_adapter`` read and write peft's adapter files.
 """
 
 # Public names, re-exported one per line (``from rudax.layers._x import a as a``), sorted as
@@ -24,6 +25,8 @@ from rudax.layers._lora import LoRAParam as LoRAParam
 from rudax.layers._mlp import GatedMLP as GatedMLP
 from rudax.layers._norms import LayerNorm as LayerNorm
 from rudax.layers._norms import RMSNorm as RMSNorm
+from rudax.layers._peft import load_adapter as load_adapter
+from rudax.layers._peft import save_adapter as save_adapter
 
 __all__ = [
     "Dropout",
@@ -38,7 +41,9 @@ __all__ = [
     "RMSNorm",
     "TiedProjection",
     "apply_lora",
+    "load_adapter",
     "lora_state",
     "merge_lora",
+    "save_adapter",
     "to_dtype",
 ]
