@@ -143,12 +143,12 @@ class GPTConfig:
         if self.mlp_hidden is None:
             object.__setattr__(self, "mlp_hidden", _round_up(8 * self.d_model / 3, 64))
         check_positive_int("mlp_hidden", self.mlp_hidden)
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        check_positive_int("n_kv_heads", self.n_kv_heads)
-        if self.n_heads % self.n_kv_heads:
+        n_kv_heads = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        object.__setattr__(self, "n_kv_heads", n_kv_heads)
+        check_positive_int("n_kv_heads", n_kv_heads)
+        if self.n_heads % n_kv_heads:
             raise ValueError(
-                f"n_kv_heads must divide n_heads={self.n_heads}, got n_kv_heads={self.n_kv_heads}"
+                f"n_kv_heads must divide n_heads={self.n_heads}, got n_kv_heads={n_kv_heads}"
             )
         for name in ("tie_embeddings", "fused_qkv", "qkv_bias"):
             check_bool(name, getattr(self, name))
