@@ -1,0 +1,817 @@
+"""Hugging Face Llama-format checkpoints in and out of the GPT: ``load_hf``, ``save_hf``, export.
+
+    python -m examples.lm.hf export runs/<name> <dir>    # a run's latest weights -> HF format
+
+A checkpoint directory is what ``transformers``' ``save_pretrained`` writes: ``config.json``
+and ``model.safetensors``, or shards listed by ``model.safetensors.index.json``, and often a
+``tokenizer.json``. ``load_hf`` reads a ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) one into
+``examples.lm.model.GPT``, tensor by tensor; ``save_hf`` writes a GPT as one that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads. The two models are the same
+function (pre-norm RMSNorm blocks, rotate-half RoPE, grouped-query attention, SwiGLU), so the
+conversion is names and transposes only::
+
+    GPT path (nnx)                 HF tensor                                   layout
+    embed.embedding                model.embed_tokens.weight                   [V, d] both
+    blocks[i].attn_norm.scale      model.layers.{i}.input_layernorm.weight
+    blocks[i].attn.q.kernel        model.layers.{i}.self_attn.q_proj.weight    [in, out] vs
+      (k, v, out)                    (k_proj, v_proj, o_proj; .bias: Qwen2)    torch's [out, in]
+    blocks[i].mlp_norm.scale       model.layers.{i}.post_attention_layernorm.weight
+    blocks[i].mlp.gate.kernel      model.layers.{i}.mlp.gate_proj.weight       transposed too
+      (up, down)                     (up_proj, down_proj)
+    norm.scale                     model.norm.weight
+    head.embedding                 lm_head.weight (untied heads only)          [V, d] both
+
+``hf_module_name`` is that table's module part, the ``ModuleNames`` function that
+``rudax.layers.apply_lora`` and the PEFT adapter files take: LoRA targets and adapter keys are
+HF's names (``q_proj``, ``model.layers.0.self_attn.q_proj``). A fused ``qkv`` projection has
+no HF name; ``save_hf`` splits it into q, k and v, and ``load_hf`` builds separate ones.
+
+Nothing is guessed: a config field this file does not know, a RoPE type it does not
+implement, a missing, unexpected or misshapen tensor is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import rudax.checkpoint as rc
+import rudax.layers as rl
+import rudax.sharding as rs
+from examples.lm.attention import CausalSelfAttention, Llama3RopeScaling, rope_frequencies
+from examples.lm.config import UsageError
+from examples.lm.model import GPT, Block, GPTConfig, shard
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+
+# architecture -> model_type. Qwen2 is Llama with q/k/v biases (and an optional sliding
+# window, refused below).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+# ------------------------------------------------------------------------------- names
+
+_TOP = {"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn": "self_attn",
+    "mlp_norm": "post_attention_layernorm",
+    "mlp": "mlp",
+}
+_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "out": "o_proj"}
+_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# nnx variable name -> (HF parameter name, stored transposed): torch's Linear keeps
+# weight [out, in], rudax's Linear kernel [in, out].
+_LEAVES = {
+    "kernel": ("weight", True),
+    "bias": ("bias", False),
+    "scale": ("weight", False),
+    "embedding": ("weight", False),
+}
+
+
+def hf_module_name(path: tuple[str | int, ...]) -> str | None:
+    """The transformers ``LlamaForCausalLM`` module name of the GPT's module at ``path``.
+
+    ``path`` is the module's nnx path inside the GPT (the keys of ``nnx.iter_graph``, as
+    attribute access uses them); the name is the one peft's ``target_modules`` and adapter
+    keys use. Modules with no counterpart (a fused ``qkv``, the parts of an MoE, the GPT
+    itself, anything inside a module) are None.
+
+    Args:
+      path: a tuple of attribute names and list indices, e.g. ``("blocks", 0, "attn", "q")``.
+
+    Returns:
+      The HF module name, e.g. ``"model.layers.0.self_attn.q_proj"``, or None.
+
+    Example:
+      >>> from examples.lm.hf import hf_module_name
+      >>> hf_module_name(("blocks", 3, "mlp", "down")), hf_module_name(("head",))
+      ('model.layers.3.mlp.down_proj', 'lm_head')
+      >>> hf_module_name(("blocks", 0, "attn", "qkv")) is None  # fused: no HF name
+      True
+    """
+    match tuple(path):
+        case (str(top),) if top in _TOP:
+            return _TOP[top]
+        case ("blocks",):
+            return "model.layers"
+        case ("blocks", int(i)):
+            return f"model.layers.{i}"
+        case ("blocks", int(i), str(part)) if part in _BLOCK:
+            return f"model.layers.{i}.{_BLOCK[part]}"
+        case ("blocks", int(i), "attn", str(proj)) if proj in _ATTN:
+            return f"model.layers.{i}.self_attn.{_ATTN[proj]}"
+        case ("blocks", int(i), "mlp", str(proj)) if proj in _MLP:
+            return f"model.layers.{i}.mlp.{_MLP[proj]}"
+    return None
+
+
+def _tensor_name(path: tuple[Any, ...]) -> tuple[str, bool]:
+    """(HF tensor name, transposed) of the GPT variable at path; ValueError if it has none."""
+    module = hf_module_name(path[:-1])
+    if module is None or path[-1] not in _LEAVES:
+        raise ValueError(f"the GPT variable {_where(path)} has no Hugging Face tensor name")
+    name, transposed = _LEAVES[path[-1]]
+    return f"{module}.{name}", transposed
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    return "model" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+
+
+# ------------------------------------------------------------------------------- config
+
+# Fields that do not change the function a checkpoint computes, accepted without a check:
+# bookkeeping, token ids (generation's business), the initializer's std, the KV cache, and
+# pretraining_tp (transformers v4 sliced the same products into pieces when it was > 1).
+_BENIGN = {
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "_name_or_path",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "use_cache",
+    "pretraining_tp",
+}
+# Fields read (and checked) below; anything else in a config.json is refused.
+_READ = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_dropout",
+    "rope_theta",  # transformers v4: rope_theta and rope_scaling
+    "rope_scaling",
+    "rope_parameters",  # v5: one dict of both
+    "dtype",  # v5
+    "torch_dtype",  # v4
+}
+_FAMILY_READ = {
+    "llama": {"attention_bias", "mlp_bias"},
+    "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def config_from_hf(hf: dict[str, Any], *, param_dtype: Any = None, dtype: Any = None) -> GPTConfig:
+    """The ``GPTConfig`` (separate q/k/v projections) of a transformers ``config.json``.
+
+    Reads the v4 (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and v5
+    (``rope_parameters``, ``dtype``) spellings and checks that both agree where a file has
+    both. Every field is either read, or known not to change what the model computes
+    (``bos_token_id``, ``use_cache``, ...); any other is an error, so a checkpoint that
+    needs something this GPT lacks is refused instead of loaded wrong.
+
+    Args:
+      hf: the parsed ``config.json``.
+      param_dtype: storage dtype of the parameters; None for the checkpoint's (``dtype`` or
+        ``torch_dtype``).
+      dtype: compute dtype; None for ``param_dtype``.
+
+    Returns:
+      A ``GPTConfig`` with ``fused_qkv=False`` and ``seq_len = max_position_embeddings``.
+
+    Example:
+      >>> from examples.lm.hf import config_from_hf
+      >>> hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64,
+      ...           hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+      ...           num_attention_heads=4, num_key_value_heads=2, dtype="float32")
+      >>> config = config_from_hf(hf)
+      >>> config.n_kv_heads, config.tie_embeddings, config.fused_qkv, config.seq_len
+      (2, False, False, 2048)
+      >>> config_from_hf({**hf, "hidden_act": "gelu"})
+      Traceback (most recent call last):
+      ...
+      ValueError: config.json: hidden_act='gelu' is not supported; the GPT's MLP is SwiGLU (silu)
+    """
+    if not isinstance(hf, dict):
+        raise TypeError(f"hf must be a config.json's dict, got {type(hf).__name__}")
+    arch = hf.get("architectures")
+    if not (isinstance(arch, list) and len(arch) == 1 and arch[0] in ARCHITECTURES):
+        raise ValueError(
+            f"{CONFIG}: architectures={arch!r} is not supported; load_hf reads "
+            f"{' and '.join(ARCHITECTURES)} checkpoints"
+        )
+    family = ARCHITECTURES[arch[0]]
+    if hf.get("model_type") != family:
+        raise ValueError(
+            f"{CONFIG}: model_type={hf.get('model_type')!r} does not match "
+            f"architectures={arch!r} (model_type {family!r})"
+        )
+    unknown = sorted(set(hf) - _BENIGN - _READ - _FAMILY_READ[family])
+    if unknown:
+        key = unknown[0]
+        raise ValueError(
+            f"{CONFIG}: {key}={hf[key]!r} is a field load_hf does not implement; a model that "
+            f"needs it would compute something else, so the checkpoint is refused"
+        )
+
+    def need(key: str) -> Any:
+        if hf.get(key) is None:
+            raise ValueError(f"{CONFIG}: {key} is missing")
+        return hf[key]
+
+    def refuse(key: str, value: Any, why: str) -> None:
+        raise ValueError(f"{CONFIG}: {key}={value!r} is not supported; {why}")
+
+    d, heads = need("hidden_size"), need("num_attention_heads")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        refuse("hidden_act", act, "the GPT's MLP is SwiGLU (silu)")
+    if hf.get("attention_dropout", 0.0) not in (0, 0.0):
+        refuse("attention_dropout", hf["attention_dropout"], "the GPT has no dropout (0.0 only)")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim * heads != d:
+        refuse(
+            "head_dim",
+            head_dim,
+            f"the GPT's heads are hidden_size // num_attention_heads = {d // heads} wide",
+        )
+    if family == "llama":
+        for key, what in (("attention_bias", "q/k/v/o_proj"), ("mlp_bias", "the MLP's")):
+            if hf.get(key, False):
+                refuse(key, hf[key], f"the GPT has no {what} biases")
+    else:
+        if hf.get("use_sliding_window", False):
+            refuse("use_sliding_window", hf["use_sliding_window"], "the GPT has no sliding window")
+        # sliding_window and max_window_layers only act with use_sliding_window; Qwen2
+        # checkpoints carry them (4096, 28...) with it off.
+        layer_types = hf.get("layer_types")
+        if layer_types is not None and set(layer_types) != {"full_attention"}:
+            refuse("layer_types", layer_types, "every layer is full causal attention here")
+    seq_len = hf.get("max_position_embeddings", 2048)
+    theta, scaling = _rope(hf, seq_len)
+    param_dtype = _dtype(hf) if param_dtype is None else param_dtype
+    try:
+        return GPTConfig(
+            vocab_size=need("vocab_size"),
+            seq_len=seq_len,
+            d_model=d,
+            n_layers=need("num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads,
+            mlp_hidden=need("intermediate_size"),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            param_dtype=param_dtype,
+            dtype=param_dtype if dtype is None else dtype,
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+            fused_qkv=False,
+            qkv_bias=family == "qwen2",
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{CONFIG}: {e}") from e
+
+
+def _dtype(hf: dict[str, Any]) -> Any:
+    names = {key: hf[key] for key in ("dtype", "torch_dtype") if hf.get(key) is not None}
+    if len(set(names.values())) > 1:
+        raise ValueError(f"{CONFIG}: dtype and torch_dtype disagree: {names}")
+    if not names:
+        raise ValueError(f"{CONFIG}: no dtype or torch_dtype field: pass param_dtype")
+    key, name = next(iter(names.items()))
+    if name not in _DTYPES:
+        raise ValueError(f"{CONFIG}: {key}={name!r} is not supported; {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _rope(hf: dict[str, Any], seq_len: int) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, scaling) from v4's rope_theta + rope_scaling and/or v5's rope_parameters."""
+    rope: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        part = hf.get(key)
+        if part is None:
+            continue
+        if not isinstance(part, dict):
+            raise ValueError(f"{CONFIG}: {key}={part!r} must be a dict or null")
+        for field, value in part.items():
+            if field in rope and rope[field] != value:
+                raise ValueError(
+                    f"{CONFIG}: rope_scaling and rope_parameters disagree on {field}: "
+                    f"{rope[field]!r} and {value!r}"
+                )
+            rope[field] = value
+    if "rope_theta" in hf and rope.setdefault("rope_theta", hf["rope_theta"]) != hf["rope_theta"]:
+        raise ValueError(
+            f"{CONFIG}: rope_theta={hf['rope_theta']!r} but rope_parameters has "
+            f"rope_theta={rope['rope_theta']!r}"
+        )
+    kinds = {rope[key] for key in ("rope_type", "type") if key in rope}
+    if len(kinds) > 1:
+        raise ValueError(f"{CONFIG}: rope 'type' and 'rope_type' disagree: {sorted(kinds)}")
+    kind = kinds.pop() if kinds else "default"
+    if kind not in _ROPE_TYPES:
+        raise ValueError(
+            f"{CONFIG}: rope_type={kind!r} is not implemented; load_hf implements "
+            f"{list(_ROPE_TYPES)}"
+        )
+    fields = {"rope_type", "type", "rope_theta"}
+    if kind == "llama3":
+        fields |= {*_LLAMA3_FIELDS, "original_max_position_embeddings"}
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"{CONFIG}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
+            "supported; RoPE rotates every channel here (1.0)"
+        )
+    fields.add("partial_rotary_factor")
+    extra = sorted(set(rope) - fields)
+    if extra:
+        raise ValueError(
+            f"{CONFIG}: rope field {extra[0]}={rope[extra[0]]!r} is not implemented for "
+            f"rope_type={kind!r}"
+        )
+    theta = rope.get("rope_theta", 10000.0)
+    if kind == "default":
+        return theta, None
+    missing = [f for f in _LLAMA3_FIELDS if f not in rope]
+    if missing:
+        raise ValueError(f"{CONFIG}: rope_type='llama3' needs {missing[0]}")
+    # transformers' default when absent: the model's own context length.
+    old = rope.get("original_max_position_embeddings", seq_len)
+    try:
+        scaling = Llama3RopeScaling(
+            rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], old
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{CONFIG}: rope_type='llama3': {e}") from e
+    return theta, scaling
+
+
+def config_to_hf(config: GPTConfig, *, eos_token_id: int | None = None) -> dict[str, Any]:
+    """The transformers ``config.json`` of a ``GPTConfig``, readable by transformers v4 and v5.
+
+    A GPT with ``qkv_bias`` is a ``Qwen2ForCausalLM``, any other a ``LlamaForCausalLM``.
+    RoPE is written both ways (v4's ``rope_theta`` + ``rope_scaling``, v5's
+    ``rope_parameters``), the dtype as ``dtype`` and ``torch_dtype``.
+
+    Args:
+      config: a dense ``GPTConfig`` (``num_experts == 0``: the format has no MoE layers).
+      eos_token_id: the tokenizer's end-of-text id, or None.
+
+    Returns:
+      A JSON-able dict.
+
+    Example:
+      >>> from examples.lm.hf import config_to_hf
+      >>> from examples.lm.model import GPTConfig
+      >>> hf = config_to_hf(GPTConfig(n_kv_heads=2))
+      >>> hf["architectures"], hf["num_key_value_heads"], hf["tie_word_embeddings"], hf["dtype"]
+      (['LlamaForCausalLM'], 2, True, 'bfloat16')
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+    c = config
+    if c.num_experts:
+        raise ValueError(
+            f"num_experts={c.num_experts}: a Llama-format checkpoint has no mixture-of-experts "
+            "layers; only a dense GPT converts"
+        )
+    family = "qwen2" if c.qkv_bias else "llama"
+    rope: dict[str, Any] = {"rope_theta": c.rope_theta, "rope_type": "default"}
+    scaling = None
+    if c.rope_scaling is not None:
+        s = c.rope_scaling
+        scaling = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+        rope.update(scaling)
+    dtype = np.dtype(c.param_dtype).name
+    hf: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        "model_type": family,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.mlp_hidden,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": 0.0,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if family == "llama":
+        hf.update(head_dim=c.head_dim, attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layers)
+    return hf
+
+
+# ------------------------------------------------------------------------------- load
+
+
+@contextlib.contextmanager
+def _open_tensors(directory: Path) -> Iterator[dict[str, Any]]:
+    """{tensor name: the open safetensors file holding it}, single file or sharded."""
+    index, single = directory / INDEX, directory / WEIGHTS
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map dict")
+        files = sorted(set(weight_map.values()))
+    elif single.is_file():
+        weight_map, files = None, [WEIGHTS]
+    else:
+        bins = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (it holds {bins}: load_hf reads safetensors only)" if bins else ""
+        raise ValueError(f"{directory}: no {WEIGHTS} or {INDEX}{hint}")
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for name in files:
+            if not (directory / name).is_file():
+                raise ValueError(f"{index}: lists {name}, which is not in {directory}")
+            handles[name] = stack.enter_context(safe_open(directory / name, framework="numpy"))
+        where = {}
+        for name, handle in handles.items():
+            for key in handle.keys():
+                if weight_map is not None and weight_map.get(key) != name:
+                    raise ValueError(
+                        f"{directory / name}: holds {key}, which {INDEX} puts in "
+                        f"{weight_map.get(key)!r}"
+                    )
+                where[key] = handle
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(where))
+            if absent:
+                raise ValueError(
+                    f"{index}: lists {absent[0]} in {weight_map[absent[0]]}, which lacks it"
+                )
+        yield where
+
+
+def load_hf(directory: str | os.PathLike, *, param_dtype: Any = None, dtype: Any = None) -> GPT:
+    """A ``GPT`` holding a Hugging Face ``LlamaForCausalLM`` (or Qwen2) checkpoint's weights.
+
+    The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and each
+    parameter filled from its tensor, read alone with ``safetensors.safe_open`` and cast to
+    ``param_dtype``, so the host holds one tensor at a time beside the model, never a whole
+    file. The GPT has separate q/k/v projections (``fused_qkv=False``), in which LoRA on one
+    of them is exact, and computes what transformers' model computes (same RMSNorm, RoPE,
+    GQA; RoPE's angles are more exact here, in float64).
+
+    ``lm_head.weight`` in a tied checkpoint must equal the embedding; RoPE ``inv_freq``
+    buffers (older checkpoints) must equal this model's frequencies. Any other tensor the
+    model does not have, or one it has that is missing or of another shape, is an error.
+
+    Args:
+      directory: the checkpoint directory (``config.json`` and ``model.safetensors``, or the
+        shards of ``model.safetensors.index.json``).
+      param_dtype: storage dtype (bf16, fp16, fp32); None for the checkpoint's.
+      dtype: compute dtype; None for ``param_dtype``.
+
+    Returns:
+      The ``GPT``; ``model.config`` is its ``GPTConfig``.
+
+    Example:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from examples.lm.hf import load_hf, save_hf
+      >>> from examples.lm.model import GPT, GPTConfig
+      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=1, n_heads=4,
+      ...                    n_kv_heads=2, param_dtype=jnp.float32, dtype=jnp.float32)
+      >>> model = GPT(config, rngs=nnx.Rngs(0))
+      >>> directory = tempfile.mkdtemp()
+      >>> save_hf(model, directory)
+      >>> loaded = load_hf(directory)
+      >>> loaded.config.fused_qkv, loaded.blocks[0].attn.k.kernel.shape
+      (False, (32, 16))
+      >>> # k's kernel is columns 32:48 of the fused [q | k | v] kernel, saved as HF's k_proj.
+      >>> k = model.blocks[0].attn.qkv.kernel[:, 32:48]
+      >>> bool(jnp.array_equal(loaded.blocks[0].attn.k.kernel[...], k))
+      True
+    """
+    directory = Path(directory)
+    config = config_from_hf(_read_json(directory / CONFIG), param_dtype=param_dtype, dtype=dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
+    wanted = {}
+    for path, var in nnx.to_flat_state(state):
+        name, transposed = _tensor_name(path)
+        wanted[name] = (path, var, transposed)
+    with _open_tensors(directory) as files:
+        missing = [name for name in wanted if name not in files]
+        if missing:
+            raise ValueError(
+                f"{directory}: the checkpoint lacks {missing[0]} ({len(missing)} missing in all), "
+                f"which its {CONFIG} implies"
+            )
+        for name in sorted(set(files) - set(wanted)):
+            _check_extra(name, files, config, directory)
+        for name, (path, var, transposed) in wanted.items():
+            tensor = files[name].get_tensor(name)
+            want = var.get_value().shape[::-1] if transposed else var.get_value().shape
+            if tensor.shape != want:
+                raise ValueError(
+                    f"{directory}: {name} has shape {tensor.shape}; {CONFIG} makes it {want} "
+                    f"({_where(path)})"
+                )
+            if not jnp.issubdtype(tensor.dtype, jnp.floating):  # NumPy: not bf16
+                raise ValueError(f"{directory}: {name} has dtype {tensor.dtype}, not floating")
+            var.set_value(jnp.asarray(tensor.T if transposed else tensor, config.param_dtype))
+            del tensor
+    return nnx.merge(graphdef, state)
+
+
+_INV_FREQ = re.compile(r"model\.layers\.(\d+)\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _check_extra(name: str, files: dict[str, Any], config: GPTConfig, directory: Path) -> None:
+    """A tensor the GPT has no parameter for: accepted only if it is redundant and agrees."""
+    if name == "lm_head.weight" and config.tie_embeddings:
+        head = files[name].get_tensor(name)
+        embed = files["model.embed_tokens.weight"].get_tensor("model.embed_tokens.weight")
+        if head.shape != embed.shape or not np.array_equal(head, embed):
+            raise ValueError(
+                f"{directory}: tie_word_embeddings is true but lm_head.weight differs from "
+                "model.embed_tokens.weight; set tie_word_embeddings to false to load both"
+            )
+        return
+    match = _INV_FREQ.fullmatch(name)
+    if match and int(match.group(1)) < config.n_layers:
+        # A buffer older transformers saved: RoPE's frequencies, which this model computes.
+        ours = rope_frequencies(
+            config.head_dim, theta=config.rope_theta, scaling=config.rope_scaling
+        )
+        theirs = files[name].get_tensor(name).astype(np.float64)
+        if theirs.shape != ours.shape or not np.allclose(theirs, ours, rtol=1e-6, atol=0):
+            raise ValueError(
+                f"{directory}: {name} holds other RoPE frequencies than rope_theta="
+                f"{config.rope_theta} and the rope scaling of {CONFIG} give"
+            )
+        return
+    raise ValueError(f"{directory}: the checkpoint has a tensor the GPT has no place for: {name}")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path.parent}: no {path.name}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from e
+
+
+# ------------------------------------------------------------------------------- save
+
+# The modules a plain GPT is made of; save_hf refuses any other (a LoRALinear, a sharded
+# module) rather than write its parts under names HF would misread.
+_PLAIN = (
+    GPT,
+    Block,
+    CausalSelfAttention,
+    nnx.List,
+    rl.Linear,
+    rl.RMSNorm,
+    rl.Embedding,
+    rl.TiedProjection,
+    rl.GatedMLP,
+)
+
+
+def save_hf(
+    model: GPT,
+    directory: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    eos_token_id: int | None = None,
+) -> None:
+    """Writes ``model`` as a Hugging Face checkpoint that ``from_pretrained`` loads.
+
+    ``config.json`` (``config_to_hf``), ``model.safetensors`` with transformers' tensor names
+    (each parameter in its storage dtype; a fused ``qkv`` split into q/k/v; a tied head not
+    written, as transformers leaves it out) and, given ``tokenizer``, a copy of that
+    ``tokenizer.json``. Existing files of those names are replaced.
+
+    Args:
+      model: a dense ``GPT`` of plain layers: LoRA adapters folded in first
+        (``rudax.layers.merge_lora``), not a ``shard``ed model.
+      directory: where to write; created if need be.
+      tokenizer: a ``tokenizer.json`` to copy beside the weights, or None.
+      eos_token_id: the tokenizer's end-of-text id for ``config.json``, or None.
+
+    Example:
+      >>> import os, tempfile
+      >>> from flax import nnx
+      >>> from examples.lm.hf import save_hf
+      >>> from examples.lm.model import GPT, GPTConfig
+      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=1, n_heads=2)
+      >>> directory = tempfile.mkdtemp()
+      >>> save_hf(GPT(config, rngs=nnx.Rngs(0)), directory)
+      >>> sorted(os.listdir(directory))
+      ['config.json', 'model.safetensors']
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be an examples.lm.model.GPT, got {type(model).__name__}")
+    hf = config_to_hf(model.config, eos_token_id=eos_token_id)
+    odd = [
+        (path, node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Module) and not isinstance(node, _PLAIN)
+    ]
+    if odd:
+        path, node = min(odd, key=lambda item: len(item[0]))
+        raise TypeError(
+            f"save_hf: {_where(path)} is a {type(node).__name__}, which has no Hugging Face "
+            "form; fold LoRA adapters into the base with rudax.layers.merge_lora(model) first "
+            "(save them alone with rudax.layers.save_adapter), and save the unsharded model"
+        )
+    tensors = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = np.asarray(var.get_value())
+        if path[-2] == "qkv":  # the fused projection: HF's q, k, v are its column blocks
+            c = model.config
+            q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+            parts = np.split(value, [q, q + kv], axis=-1)
+            for proj, part in zip(("q", "k", "v"), parts, strict=True):
+                name, transposed = _tensor_name((*path[:-2], proj, path[-1]))
+                tensors[name] = np.ascontiguousarray(part.T if transposed else part)
+        else:
+            name, transposed = _tensor_name(path)
+            tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    directory = Path(directory)
+    if (directory / INDEX).exists():
+        raise ValueError(
+            f"{directory} holds a sharded checkpoint ({INDEX}), which readers would take "
+            f"instead of the {WEIGHTS} written now: remove it, or save elsewhere"
+        )
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise ValueError(f"tokenizer={str(tokenizer)!r} is not a file")
+    directory.mkdir(parents=True, exist_ok=True)
+    # Written beside and renamed: an interrupted save leaves no half file under the real name.
+    partial = directory / (WEIGHTS + ".partial")
+    save_file(tensors, partial, metadata={"format": "pt"})
+    os.replace(partial, directory / WEIGHTS)
+    (directory / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+    if tokenizer is not None:
+        (directory / TOKENIZER).write_bytes(Path(tokenizer).read_bytes())
+
+
+# ------------------------------------------------------------------------------- export
+
+
+def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """A training run's latest checkpoint weights and tokenizer, written by ``save_hf``.
+
+    The run is only read: its ``config.json`` gives the model (``examples.lm.step``'s
+    ``model_config``), its data directory the vocabulary, the end-of-text id and
+    ``tokenizer.json`` (``examples.lm.prepare``), its latest checkpoint the weights (the
+    model part only, as ``train --init-from`` reads it). A run trained with FSDP stores its
+    parameters sharded; they are read back onto one device and written whole. A relative
+    ``--data-dir`` is taken from the current directory, as training took it.
+
+    Args:
+      run_dir: ``runs/<name>``, a directory ``examples.lm.train`` wrote.
+      out_dir: where ``save_hf`` writes.
+
+    Returns:
+      ``{"out_dir", "step", "config"}``: the output directory, the checkpoint's update and
+      the GPTConfig.
+
+    Raises:
+      UsageError: the run, its checkpoints or its data directory are missing or unusable.
+    """
+    # Imported here: the trainer and its imports (tqdm, the data pipeline) only for the CLI.
+    from examples.lm import train
+    from examples.lm.prepare import read_prepared
+    from examples.lm.step import model_config
+
+    run_dir = Path(run_dir)
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{run_dir} holds no run (no config.json)") from None
+    args = argparse.Namespace(**saved)
+    data_dir = Path(args.data_dir or train._default_data_dir(args.data))
+    try:
+        meta = read_prepared(data_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"the run's data directory {data_dir}: {e}") from e
+    tokenizer = data_dir / TOKENIZER
+    if not tokenizer.is_file():
+        raise UsageError(f"the run's data directory {data_dir} has no {TOKENIZER}")
+    config = model_config(args, meta["vocab_size"])
+    config_to_hf(config)  # an MoE run has no HF form: say so before reading anything
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        raise UsageError(f"{run_dir} has no checkpoints/ directory")
+    model = train.create_model(config, args.seed)  # the structure; every weight is replaced
+    template: Any = model
+    if "fsdp" in (args.mesh or {}):
+        # The checkpoint holds FSDP's flat shards; a one-device context reads them whole.
+        one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+        template = shard(model, rs.ShardingContext(one, "fsdp"), compute_dtype=jnp.float32)
+    graphdef, params, rest = nnx.split(template, nnx.Param, ...)
+    checkpointer = rc.Checkpointer(root, read_only=True)  # the run is never written
+    like = rc.TrainingRecord(model=params, optimizer=None, accumulator=None, state=None)
+    try:
+        step = checkpointer.latest_step()
+        if step is None:
+            raise UsageError(f"{root} holds no committed checkpoint")
+        # strict=False: the model part only, whatever optimizer the run trained with.
+        restored = checkpointer.restore(like, step=step, strict=False).model
+    except ValueError as e:
+        raise UsageError(f"{root}: checkpoint {step}: {e}") from e
+    finally:
+        checkpointer.close()
+    restored_model = nnx.merge(graphdef, restored, rest)
+    if template is not model:
+        _unshard_into(model, restored_model)
+    else:
+        model = restored_model
+    save_hf(model, out_dir, tokenizer=tokenizer, eos_token_id=meta.get("eot_id"))
+    return {"out_dir": str(out_dir), "step": step, "config": config}
+
+
+def _unshard_into(model: GPT, sharded: GPT) -> None:
+    """Sets each of model's parameters to the whole value of sharded's ShardedParameter."""
+    full = {}
+    for prefix, node in nnx.iter_graph(sharded):
+        if isinstance(node, rs.ShardedModule):
+            for path, var in zip(node.paths, node.variables, strict=True):
+                full[(*prefix, *path)] = var.get_value().unshard()
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        var.set_value(jnp.asarray(full[path], var.get_value().dtype))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m examples.lm.hf",
+        description="Hugging Face Llama-format checkpoints out of examples.lm runs.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser(
+        "export",
+        help="write a run's latest weights and tokenizer as a Hugging Face checkpoint",
+        description="Writes RUN_DIR's latest checkpoint weights and its tokenizer.json into "
+        "OUT_DIR as config.json + model.safetensors + tokenizer.json, which "
+        "transformers.AutoModelForCausalLM.from_pretrained loads. The run is only read.",
+    )
+    e.add_argument("run_dir", help="the run directory, e.g. runs/<name>")
+    e.add_argument("out_dir", help="the directory to write (created if need be)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The CLI; a bad run directory ends in argparse's ``error:`` line and exit code 2."""
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        with jax.numpy_dtype_promotion("strict"):
+            result = export(args.run_dir, args.out_dir)
+    except (UsageError, ValueError) as e:
+        parser.error(str(e))
+    c = result["config"]
+    print(
+        f"exported {args.run_dir} (update {result['step']}, a {c.n_layers}x{c.d_model} GPT, "
+        f"vocabulary {c.vocab_size}) to {args.out_dir}"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()
