@@ -55,6 +55,7 @@ RUN_KEYS = (
     "steps",
     "mesh",
     "eval_batches",  # the validation loss's definition
+    "architecture",  # not a flag: the model fields an --init-from HF directory decided
 )
 
 
@@ -166,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-from",
         metavar="DIR",
         help="start a new run with the model weights of the latest checkpoint of the run "
-        "directory (or checkpoint directory) DIR; the optimizer starts fresh and DIR is only read",
+        "directory (or checkpoint directory) DIR, or of the Hugging Face Llama directory DIR "
+        "(config.json, *.safetensors and the data's tokenizer.json; its config.json sets the "
+        "model's shape); the optimizer starts fresh and DIR is only read",
     )
     run.add_argument(
         "--stop-at",
@@ -305,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="spread each step over devices, e.g. data=2,fsdp=4 (its size must be the device "
         "count; on CPU that many devices are simulated); default: one device",
     )
+    # Set from an --init-from Hugging Face directory's config.json (examples/lm/hf_init.py).
+    p.set_defaults(architecture=None)
     return p
 
 

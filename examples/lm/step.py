@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import rudax.optim as ro
 import rudax.sharding as rs
+from examples.lm.attention import Llama3RopeScaling
 from examples.lm.model import GPTConfig, loss_sum
 
 # ------------------------------------------------------------------------------- model
@@ -47,7 +48,13 @@ def model_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPT
     naming the field for an inconsistent shape (say ``--d-model`` not a multiple of
     ``--n-heads``).
     """
+    # A run started from a Hugging Face directory records the architecture fields the flags
+    # do not cover (grouped-query heads, an untied head, RoPE settings, separate q/k/v).
+    architecture = dict(getattr(args, "architecture", None) or {})
+    if architecture.get("rope_scaling") is not None:
+        architecture["rope_scaling"] = Llama3RopeScaling(**architecture["rope_scaling"])
     return GPTConfig(
+        **architecture,
         vocab_size=args.vocab_size if vocab_size is None else vocab_size,
         seq_len=args.seq_len,
         d_model=args.d_model,

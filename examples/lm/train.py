@@ -52,7 +52,7 @@ import rudax.checkpoint as rc
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import config as cfg
-from examples.lm import guard
+from examples.lm import guard, hf_init
 from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError
 from examples.lm.guard import TrainingHalted
@@ -116,6 +116,12 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             f"{run_dir} already holds a run: continue it with --resume, or pick "
             "another --name/--run-dir"
         )
+    # An HF directory decides the model's shape: before the flags are checked and recorded.
+    hf_dir = Path(args.init_from) if args.init_from else None
+    if hf_dir is not None and hf_init.is_hf_dir(hf_dir):
+        hf_init.take_architecture(args, given, hf_dir)
+    else:
+        hf_dir = None
     cfg.check(args)
     if args.tensorboard:
         _check_tensorboard()  # now, not when the first metrics row is written
@@ -133,7 +139,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             raise UsageError(
                 f"--resume: the run is at update {start} already; nothing to do up to update {stop}"
             )
-    init_from = _checkpoint_root(args.init_from) if args.init_from else None
+    init_from = _checkpoint_root(args.init_from) if args.init_from and not hf_dir else None
     try:
         model_config(args)  # a shape error now, not after the corpus is prepared
     except (TypeError, ValueError) as e:
@@ -163,6 +169,8 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         )
         train_data = loader("train")
         val_batches = loader("val").eval_batches(args.eval_batches)
+        if hf_dir is not None:
+            hf_init.check_tokenizer(hf_dir, data_dir)
     except PreparationConflict as e:
         raise UsageError(
             f"data: --data-dir {data_dir} holds a preparation with other settings "
@@ -177,7 +185,11 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- model
     config = model_config(args, vocab_size)  # the tokenizer's vocabulary
-    model = create_model(config, args.seed)
+    if hf_dir is None:
+        model = create_model(config, args.seed)
+    else:
+        model = hf_init.load_model(hf_dir, config)
+        print(f"initialized from the Hugging Face checkpoint {hf_dir}")
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if mesh is not None and "fsdp" in mesh.axis_names:
         # Gathered (and the gradients reduce-scattered) in fp32: the bf16 rounding of a
@@ -417,6 +429,7 @@ def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
         saved = json.loads((run_dir / "config.json").read_text())
     except FileNotFoundError:
         raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
+    saved.setdefault("architecture", None)  # runs from before --init-from took HF directories
     conflicts = [
         f"--{key.replace('_', '-')} {getattr(args, key)!r} (the run has {saved[key]!r})"
         for key in cfg.RUN_KEYS
