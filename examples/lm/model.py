@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import rudax.kernels as rk
 import rudax.layers as rl
 import rudax.sharding as rs
 from examples.lm.attention import CausalSelfAttention, Llama3RopeScaling
-from examples.lm.loss import linear_cross_entropy_sum
 from examples.lm.moe import IMPLS, MoE
 from rudax._validation import (
     STORAGE_DTYPES,
@@ -93,9 +93,9 @@ class GPTConfig:
       moe_aux_weight: coefficient of the load-balancing loss in ``loss_sum``, >= 0.
       moe_impl: ``"auto"``, ``"ragged"`` or ``"dense"``, see ``examples/lm/moe.py``.
       loss_chunk: tokens per chunk of ``loss_sum``'s fused head and cross entropy
-        (``examples/lm/loss.py``), which never holds the whole ``[B, T, V]`` logits; None
-        computes the full logits and differentiates them plainly. The loss is the same up
-        to float summation order.
+        (``rudax.kernels.linear_cross_entropy``), which never holds the whole ``[B, T, V]``
+        logits; None computes the full logits and differentiates them plainly. The loss is
+        the same up to float summation order.
 
     Example:
       >>> from examples.lm.model import GPTConfig
@@ -373,7 +373,7 @@ def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, ja
         loss_sum = ce_sum + moe_aux_weight * aux * n
 
     With ``config.loss_chunk`` set (the default) ``ce_sum`` is computed ``loss_chunk``
-    tokens at a time by ``examples.lm.loss.linear_cross_entropy_sum``, which never holds
+    tokens at a time by ``rudax.kernels.linear_cross_entropy``, which never holds
     all the logits; the value and its gradient are the same up to float summation order.
 
     The contract a trainer relies on: the loss is a *sum* over tokens, so for microbatches
@@ -423,7 +423,8 @@ def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, ja
         if isinstance(head, rs.ShardedModule):
             head = head.gathered()
         n_tokens, d = targets_BxT.size, h_BxTxD.shape[-1]
-        ce_sum = linear_cross_entropy_sum(
+        # Every target counts (no ignore_index label here), so the count is n_tokens.
+        ce_sum, _ = rk.linear_cross_entropy(
             h_BxTxD.reshape(n_tokens, d),
             head.embedding[...],
             targets_BxT.reshape(n_tokens),
