@@ -129,7 +129,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` where there is a default to show; None/False ones say it in words."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False) or "(default:" in (action.help or ""):
+        # `is`, not `in (None, False)`: 0 == False, and a default of 0 is worth showing.
+        if action.default is None or action.default is False or "(default:" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 

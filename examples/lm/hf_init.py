@@ -79,18 +79,21 @@ def take_architecture(args: Any, given: set[str], hf_dir: Path) -> None:
     args.architecture = architecture
 
 
-def check_tokenizer(hf_dir: Path, data_dir: Path) -> None:
-    """UsageError unless hf_dir's tokenizer.json is the data folder's (the same ids)."""
+def check_tokenizer(hf_dir: Path, data_dir: Path, *, flag: str = "--init-from") -> None:
+    """UsageError unless hf_dir's tokenizer.json is the data folder's (the same ids).
+
+    ``flag`` is how the message names hf_dir: the argument the user gave it as.
+    """
     theirs, ours = hf_dir / TOKENIZER, data_dir / TOKENIZER
     if not theirs.is_file():
         raise UsageError(
-            f"--init-from {hf_dir}: it has no {TOKENIZER}, so nothing shows that its token "
+            f"{flag} {hf_dir}: it has no {TOKENIZER}, so nothing shows that its token "
             f"ids are those of the data in {data_dir}; the trainer fine-tunes a checkpoint "
             "only on data tokenized with its tokenizer (examples.lm.hf export writes it)"
         )
     if json.loads(theirs.read_text()) != json.loads(ours.read_text()):
         raise UsageError(
-            f"--init-from {hf_dir}: its {TOKENIZER} is not the tokenizer of the data in "
+            f"{flag} {hf_dir}: its {TOKENIZER} is not the tokenizer of the data in "
             f"{data_dir}; its token ids would mean other text. Train on the data it was "
             "trained on (the --data and --vocab-size of the run it was exported from)"
         )

@@ -147,11 +147,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         train_data, val_batches = load("train"), load("val").eval_batches(args.eval_batches)
     except (CorpusError, ValueError) as e:
         raise UsageError(f"--data-dir {data_dir}: {e}") from e
-    try:
-        hf_init.check_tokenizer(hf_dir, data_dir)
-    except UsageError as e:  # its message names the trainer's flag
-        why = str(e).removeprefix(f"--init-from {hf_dir}: ")
-        raise UsageError(f"HF_DIR {hf_dir}: {why}") from None
+    hf_init.check_tokenizer(hf_dir, data_dir, flag="HF_DIR")
 
     # --------------------------------------------------------------------------- model
     try:
