@@ -147,7 +147,8 @@ def test_help_documents_every_flag(capsys):
     for action in parser._actions:
         for option in action.option_strings:
             assert option in text
-        if action.default not in (None, False) and action.dest != "help":
+        # A default of 0 is shown too (0 == False once hid --seed's).
+        if action.default is not None and action.default is not False and action.dest != "help":
             assert f"(default: {action.default})" in " ".join(text.split())
 
 
