@@ -16,6 +16,8 @@ process, in alternating order:
   (``labels=input_ids``), ``loss.backward()`` and ``torch.optim.AdamW`` over the trainable
   parameters, eager, on the same number of CPU threads.
 
+Both children start with glibc's ``MALLOC_*`` settings of ``examples/lm/host_memory.py``.
+
 Both train in fp32 on the same token ids: ``B`` sequences of ``T + 1`` tokens, ``B * T``
 predicted tokens per step (the first step's loss, the base model's since B starts at zero,
 is printed for both, to show they compute the same function). A child times ``--steps``
@@ -38,6 +40,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# Both children keep the memory they free, as the examples' trainer does for itself: XLA:CPU's
+# step scratch and torch's autograd buffers are reused instead of faulted in every step.
+from examples.lm.host_memory import MALLOC_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = ("rudax", "torch")
@@ -185,6 +191,7 @@ def _run_child(arm: str, directory: Path, argv: list[str]) -> dict[str, float]:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.lora_finetune", *argv, *child],
         cwd=ROOT,
+        env=dict(os.environ, **MALLOC_ENV),
         capture_output=True,
         text=True,
         check=False,

@@ -40,6 +40,7 @@ from examples.lm import guard, hf_init, train
 from examples.lm.corpus import CorpusError
 from examples.lm.guard import TrainingHalted
 from examples.lm.hf import INDEX, TOKENIZER, hf_module_name, load_hf, save_hf
+from examples.lm.host_memory import retain_freed_memory
 from examples.lm.model import loss_sum
 from examples.lm.prepare import open_split, read_prepared
 from examples.lm.step import make_schedule
@@ -136,6 +137,9 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(
             f"--merged {merged_dir} holds a sharded checkpoint ({INDEX}): write elsewhere"
         )
+
+    # Before JAX starts its CPU client, as the trainer does: each step's scratch is reused.
+    retain_freed_memory()
 
     # --------------------------------------------------------------------------- data
     data_dir = Path(args.data_dir or train._default_data_dir(args.data))
