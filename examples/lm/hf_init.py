@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from examples.lm.config import UsageError
-from examples.lm.hf import config_from_hf, load_hf
+from examples.lm.hf import load_hf
+from examples.lm.hf_config import config_from_hf
 from examples.lm.model import GPT, GPTConfig
 from examples.lm.tokenizer import TOKENIZER
 

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import examples.lm.hf as hf_lib
+import examples.lm.hf_config as hf_config
 import rudax.layers as rl
 import rudax.optim as ro
 import rudax.sharding as rs
@@ -506,6 +507,8 @@ def test_save_hf_refuses_what_has_no_hf_form(saved, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_docstring_examples():
-    result = doctest.testmod(hf_lib, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+@pytest.mark.parametrize("module", [hf_lib, hf_config], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(module, optionflags=flags)
     assert result.attempted > 0 and result.failed == 0
