@@ -311,7 +311,7 @@ class GPT(nnx.Module):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}: {config=}")
         c = config
         self.config = c
-        self.embed = rl.Embedding(
+        table = lambda: rl.Embedding(
             c.vocab_size,
             c.d_model,
             dtype=c.dtype,
@@ -319,23 +319,14 @@ class GPT(nnx.Module):
             embedding_init=nnx.initializers.normal(INIT_STD),
             rngs=rngs,
         )
+        self.embed = table()
         self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
         self.norm = rl.RMSNorm(
             c.d_model, epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype
         )
         # An untied head is a table of its own, in an Embedding that only the head holds: the
         # same [V, d] layout, so loss_sum's fused loss and shard() need no second code path.
-        table = self.embed
-        if not c.tie_embeddings:
-            table = rl.Embedding(
-                c.vocab_size,
-                c.d_model,
-                dtype=c.dtype,
-                param_dtype=c.param_dtype,
-                embedding_init=nnx.initializers.normal(INIT_STD),
-                rngs=rngs,
-            )
-        self.head = rl.TiedProjection(table, dtype=c.dtype)
+        self.head = rl.TiedProjection(self.embed if c.tie_embeddings else table(), dtype=c.dtype)
 
     def __call__(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
         h_BxTxD, aux = self.features(tokens_BxT)

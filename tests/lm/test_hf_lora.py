@@ -35,22 +35,10 @@ import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm.hf import hf_module_name, load_hf, save_hf
 from examples.lm.model import GPT, GPTConfig, loss_sum, shard
+from tests.lm.test_hf import BASE, T, V  # the same tiny Llama: two layers of width 32
 
-V, T = 64, 16
 IDS = np.random.default_rng(0).integers(0, V, size=(2, T))
 BATCH = np.random.default_rng(1).integers(0, V, size=(8, T + 1), dtype=np.int32)
-# Two layers of width 32 (4 query heads of 8 channels): built, saved and compiled in about a
-# second each.
-BASE = dict(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=T,
-    # 15x transformers' default std, as tests/lm/test_hf.py: attention far from uniform.
-    initializer_range=0.3,
-)
 KINDS = {
     "gqa-untied": dict(num_key_value_heads=2, tie_word_embeddings=False),
     "mqa-tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
