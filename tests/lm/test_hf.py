@@ -263,7 +263,10 @@ def test_save_hf_then_load_hf_is_bit_exact_in_bf16(tmp_path):
 # ------------------------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("mesh", [None, "fsdp=8"])
+# FSDP only, to spare CI a second tiny run: its export reads the flat shards back whole, the
+# one-device export is that path without the unsharding, and conftest's exported_run (used by
+# test_hf_init.py and test_lora_script.py) exports a one-device run whose weights they check.
+@pytest.mark.parametrize("mesh", ["fsdp=8"])
 def test_export_cli_gives_transformers_the_runs_weights_and_tokenizer(data, tmp_path, mesh):
     """The exported model computes the run's last validation loss, in transformers."""
     if mesh and jax.device_count() < 8:

@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 
-from examples.lm import hf as hf_lib
 from examples.lm import train
 from examples.lm.report import read_rows
 from tests.lm.conftest import TINY
@@ -22,13 +21,10 @@ def _evals(summary):
     return {r["step"]: r["val_loss"] for r in read_rows(summary["metrics"]) if r["kind"] == "eval"}
 
 
-@pytest.fixture(scope="module")
-def exported(data, tmp_path_factory):
-    """(summary of an 8-update source run, its exported HF directory)."""
-    root = tmp_path_factory.mktemp("hf_init")
-    summary = train.main([*data, *TINY, "--optimizer", "adamw", "--run-dir", str(root / "src")])
-    hf_lib.main(["export", summary["run_dir"], str(root / "hf")])
-    return summary, root / "hf"
+@pytest.fixture
+def exported(exported_run):
+    """(summary of an 8-update source run, its exported HF directory): conftest's."""
+    return exported_run
 
 
 def _fails(argv, capsys):
@@ -48,7 +44,9 @@ def test_a_run_from_an_hf_directory_trains_on_its_weights_and_resumes(exported, 
     flags = [*data, *TINY, "--optimizer", "adamw", "--steps", "4", "--eval-every", "2"]
     # The shape flags of TINY are the checkpoint's own, so they may be given again.
     run = tmp_path / "ft"
-    first = train.main([*flags, "--run-dir", str(run), "--init-from", str(hf_dir), "--stop-at", "2"])
+    first = train.main(
+        [*flags, "--run-dir", str(run), "--init-from", str(hf_dir), "--stop-at", "2"]
+    )
     config = json.loads((run / "config.json").read_text())
     assert config["architecture"]["fused_qkv"] is False  # the HF form: separate q/k/v
     assert config["architecture"]["n_kv_heads"] == 2

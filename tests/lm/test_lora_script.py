@@ -19,10 +19,8 @@ import torch  # the reference extra: required, never skipped (the tests run in C
 import transformers
 from flax import nnx
 
-from examples.lm import hf as hf_lib
-from examples.lm import lora, train
+from examples.lm import lora
 from examples.lm.prepare import open_split
-from tests.lm.conftest import TINY
 
 # The source run's shapes: 16 positions, vocabulary 300 (the tiny corpus's BPE).
 FLAGS = [*("--seq-len", "16", "--batch-size", "8", "--eval-batches", "2", "--steps", "8")]
@@ -48,13 +46,11 @@ def _hf(directory):
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def base(data, tmp_path_factory):
+@pytest.fixture
+def base(exported_run):
     """(the export of an 8-update source run, in bf16 as the trainer stores it, its val loss)."""
-    root = tmp_path_factory.mktemp("lora_base")
-    summary = train.main([*data, *TINY, "--optimizer", "adamw", "--run-dir", str(root / "src")])
-    hf_lib.main(["export", summary["run_dir"], str(root / "hf")])
-    return root / "hf", summary["val_loss"]
+    summary, hf_dir = exported_run
+    return hf_dir, summary["val_loss"]
 
 
 def _snapshot(directory):
