@@ -16,7 +16,9 @@ process, in alternating order:
   (``labels=input_ids``), ``loss.backward()`` and ``torch.optim.AdamW`` over the trainable
   parameters, eager, on the same number of CPU threads.
 
-Both children start with glibc's ``MALLOC_*`` settings of ``examples/lm/host_memory.py``.
+Both children start with glibc's ``MALLOC_*`` settings of ``examples/lm/host_memory.py``
+(freed memory kept for reuse: faster steps, a higher peak), or with the default malloc under
+``--system-malloc``.
 
 Both train in fp32 on the same token ids: ``B`` sequences of ``T + 1`` tokens, ``B * T``
 predicted tokens per step (the first step's loss, the base model's since B starts at zero,
@@ -181,6 +183,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--targets", type=lambda s: s.split(","), default=["q_proj", "v_proj"])
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="run both children with glibc's default malloc (lower peak memory, slower steps)",
+    )
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     return p
@@ -191,7 +198,7 @@ def _run_child(arm: str, directory: Path, argv: list[str]) -> dict[str, float]:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.lora_finetune", *argv, *child],
         cwd=ROOT,
-        env=dict(os.environ, **MALLOC_ENV),
+        env=dict(os.environ, **({} if "--system-malloc" in argv else MALLOC_ENV)),
         capture_output=True,
         text=True,
         check=False,
