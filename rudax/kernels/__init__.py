@@ -24,6 +24,11 @@ from rudax.kernels._global_norm import (
 # [block: norms]
 from rudax.kernels._layer_norm import layer_norm as layer_norm
 from rudax.kernels._layer_norm import layer_norm_reference as layer_norm_reference
+
+# [block: nf4]
+from rudax.kernels._nf4 import NF4Tensor as NF4Tensor
+from rudax.kernels._nf4 import nf4_dequantize as nf4_dequantize
+from rudax.kernels._nf4 import nf4_quantize as nf4_quantize
 from rudax.kernels._rms_norm import rms_norm as rms_norm
 from rudax.kernels._rms_norm import rms_norm_reference as rms_norm_reference
 from rudax.kernels._rowwise import RowBlock as RowBlock
@@ -43,6 +48,7 @@ from rudax.kernels._silu_mul import silu_mul_reference as silu_mul_reference
 __all__: list[str] = [
     "AdamWBlock",
     "GlobalNormBlock",
+    "NF4Tensor",
     "RowBlock",
     "SiluMulBlock",
     "adamw_update",
@@ -53,6 +59,8 @@ __all__: list[str] = [
     "layer_norm_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "nf4_dequantize",
+    "nf4_quantize",
     "rms_norm",
     "rms_norm_reference",
     "silu_mul",

@@ -1,0 +1,313 @@
+"""4-bit NormalFloat (NF4) quantization of weights, with QLoRA's double quantization.
+
+The format is bitsandbytes' (``quantize_4bit(..., quant_type="nf4")``), bit for bit: the same
+16 code values, the same nearest-code rule and tie, the same packing of two codes per byte,
+and the same fp32 arithmetic on the way back, so a weight quantized here dequantizes to the
+same bits as bitsandbytes gives (``tests/kernels/test_nf4.py`` checks it against both
+bitsandbytes and a numpy reference).
+
+Pure jnp: quantization runs once per weight, and dequantization is an elementwise gather and
+multiply that XLA fuses into its consumer. The dequantize-matmul kernel builds on this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The 16 NF4 values: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero (QLoRA,
+# appendix E). Stored as these fp32 numbers by bitsandbytes; taken as the definition here.
+NF4_CODE = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=np.float32,
+)
+
+# Double quantization stores the per-block absmax in 8 bits, in blocks of this many values.
+ABSMAX_BLOCK_SIZE = 256
+
+# bitsandbytes clamps the absmax at 1e-38 before taking its reciprocal, so an all-zero block
+# maps to code 7 (0.0). 1e-38 is subnormal, which XLA flushes to zero; here a block whose
+# absmax is below the smallest normal fp32 scales by 0 instead (for an all-zero block, the
+# same codes; a block of only subnormal weights, which bitsandbytes scales by 1e38, is the
+# one case that differs).
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
+def _linspace_f32(start: float, end: float, steps: int) -> np.ndarray:
+    """torch.linspace in fp32 on the CPU: each half stepped from its own end, fused.
+
+    ``start + step * i`` (``end - step * (steps - 1 - i)`` for the upper half) is rounded to
+    fp32 once, as a fused multiply-add does: the fp32 product is exact in float64.
+    """
+    start32, end32 = np.float32(start), np.float32(end)
+    step = np.float64((end32 - start32) / np.float32(steps - 1))
+    i = np.arange(steps)
+    low = np.float64(start32) + step * i
+    high = np.float64(end32) - step * (steps - 1 - i)
+    return np.where(i < steps // 2, low, high).astype(np.float32)
+
+
+def _dynamic_code() -> np.ndarray:
+    """The signed 8-bit dynamic map (Dettmers 2015) that double quantization uses.
+
+    Seven exponent levels 10**-6 .. 10**0; level ``i`` holds the midpoints of
+    ``2**i + 1`` evenly spaced points in [0.1, 1], with both signs (254 values), plus 0 and
+    1, sorted: bitsandbytes' ``create_dynamic_map()``, value for value.
+    """
+    values: list[float] = []
+    for i in range(7):
+        bounds = _linspace_f32(0.1, 1.0, 2**i + 1)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
+        # An fp32 product, with the scale rounded to fp32 first (a torch tensor times a
+        # Python float does that).
+        scaled = (np.float32(10.0 ** (-6 + i)) * means).astype(np.float32).tolist()
+        values += scaled + [-v for v in scaled]
+    values += [0.0, 1.0]
+    return np.sort(np.array(values, dtype=np.float32))
+
+
+DYNAMIC_CODE = _dynamic_code()
+
+
+def _midpoints(code: np.ndarray) -> np.ndarray:
+    return ((code[:-1] + code[1:]) / np.float32(2.0)).astype(np.float32)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["codes", "absmax", "absmax_codes", "absmax_scales", "absmax_offset"],
+    meta_fields=["shape", "dtype", "block_size"],
+)
+@dataclasses.dataclass(frozen=True)
+class NF4Tensor:
+    """A weight stored as NF4: packed 4-bit codes and one scale (absmax) per block.
+
+    A pytree: the arrays are its leaves, ``shape``, ``dtype`` and ``block_size`` are static.
+    Exactly one of ``absmax`` and the three ``absmax_*`` fields is set.
+
+    Attributes:
+      codes: uint8, shape ``(size // 2,)``. Element ``2 j`` of the flattened weight in the high
+        nibble of byte ``j``, element ``2 j + 1`` in the low nibble.
+      absmax: fp32, shape ``(size // block_size,)``; ``None`` under double quantization.
+      absmax_codes: uint8, shape ``(size // block_size,)``: ``absmax - absmax_offset`` in the
+        8-bit dynamic map, in blocks of 256; ``None`` without double quantization.
+      absmax_scales: fp32, shape ``(ceil(size / block_size / 256),)``, each 256-block's absmax.
+      absmax_offset: fp32, shape ``()``: the mean of the absmax values.
+      shape: the original weight's shape.
+      dtype: the original weight's dtype.
+      block_size: weights per absmax.
+    """
+
+    codes: jax.Array
+    absmax: jax.Array | None
+    absmax_codes: jax.Array | None
+    absmax_scales: jax.Array | None
+    absmax_offset: jax.Array | None
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
+    block_size: int
+
+    @property
+    def double_quant(self) -> bool:
+        return self.absmax is None
+
+
+def _check_weight(w: jax.Array, block_size: int) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive even integer, got {block_size=}")
+    if block_size % 2:
+        # Two codes share a byte; an odd block would split a byte between two scales.
+        raise ValueError(f"block_size must be a positive even integer, got {block_size=}")
+    dtype = jnp.dtype(w.dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"w must be float32, bfloat16 or float16, got w.dtype={dtype}")
+    if w.size == 0 or w.size % block_size:
+        raise ValueError(
+            f"w.size must be a positive multiple of block_size; got w.shape={tuple(w.shape)} "
+            f"(size {w.size}) and {block_size=}. Pick a block_size that divides the size."
+        )
+
+
+def _quantize_nf4(x_NxB: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's absmax, and each value's nearest NF4 index after scaling by it."""
+    absmax_N = jnp.max(jnp.abs(x_NxB), axis=1)
+    # bitsandbytes multiplies by the reciprocal (not a division: the bits differ).
+    normal_N = absmax_N >= _TINY
+    inv_N = jnp.where(normal_N, jnp.float32(1.0) / jnp.where(normal_N, absmax_N, 1.0), 0.0)
+    scaled = jnp.clip(x_NxB * inv_N[:, None], -1.0, 1.0)
+    # Nearest code, a tie (exactly on a midpoint) going to the lower one: the count of
+    # fp32 midpoints strictly below the value (torch.bucketize's rule).
+    mids = jnp.asarray(_midpoints(NF4_CODE))
+    index = jnp.sum(scaled[..., None] > mids, axis=-1, dtype=jnp.int32)
+    return absmax_N, index.astype(jnp.uint8)
+
+
+def _quantize_dynamic(x_MxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's absmax, and each value's nearest dynamic-map index after dividing by it.
+
+    bitsandbytes' CPU blockwise quantizer, rule for rule: a true division, the code at or
+    below the value, then the upper neighbour instead only if its fp32 distance is strictly
+    smaller. Comparing fp32 distances is not comparing with fp32 midpoints; the two pick
+    different codes for values within an ulp or so of a midpoint.
+    """
+    absmax_M = jnp.max(jnp.abs(x_MxK), axis=1)
+    # XLA rewrites a division by a broadcast into a multiplication by the reciprocal, which
+    # rounds twice; dividing by a gathered array of the same shape keeps the true division.
+    rows_MxK = jnp.arange(x_MxK.size, dtype=jnp.int32).reshape(x_MxK.shape) // x_MxK.shape[1]
+    scaled = x_MxK / absmax_M[rows_MxK]
+    code = jnp.asarray(DYNAMIC_CODE)
+    below = jnp.sum(scaled[..., None] >= code[1:], axis=-1, dtype=jnp.int32)
+    above = jnp.minimum(below + 1, code.shape[0] - 1)
+    closer = jnp.abs(scaled - code[above]) < jnp.abs(scaled - code[below])
+    index = jnp.where(closer, above, below)
+    return absmax_M, index.astype(jnp.uint8)
+
+
+def _double_quantize(absmax_N: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``absmax - offset`` as 8-bit dynamic-map codes in blocks of 256, and their scales."""
+    centred = absmax_N - offset
+    n = centred.shape[0]
+    padded = -(-n // ABSMAX_BLOCK_SIZE) * ABSMAX_BLOCK_SIZE
+    # Zero padding changes no 256-block's absmax; the padded codes are dropped.
+    centred_MxK = jnp.pad(centred, (0, padded - n)).reshape(-1, ABSMAX_BLOCK_SIZE)
+    scales_M, codes_MxK = _quantize_dynamic(centred_MxK)
+    return codes_MxK.reshape(-1)[:n], scales_M
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "double_quant"))
+def nf4_quantize(w: jax.Array, *, block_size: int = 64, double_quant: bool = True) -> NF4Tensor:
+    """Quantizes a weight to 4-bit NormalFloat in blocks, as QLoRA and bitsandbytes do.
+
+    The flattened weight is cut into blocks of ``block_size``; for each block ``b``::
+
+        absmax_b = max_i |w_i|                                  (fp32)
+        code_i   = argmin_k |NF4[k] - clip(w_i * (1 / absmax_b), -1, 1)|
+
+    the tie going to the lower ``k``. With ``double_quant`` the absmax values are quantized
+    again (QLoRA section 3): ``offset = mean(absmax)``, and ``absmax - offset`` is stored as
+    8-bit codes of the signed dynamic map in blocks of 256, each with its fp32 absmax. That is
+    ``8 / block_size + 32 / (256 block_size)`` bits per weight of overhead (0.127 at 64)
+    instead of ``32 / block_size`` (0.5).
+
+    The weight's size must be a multiple of ``block_size`` (bitsandbytes also takes a short
+    last block; rudax refuses it instead, as every matrix of a real model divides by 64).
+
+    Args:
+      w: the weight, float32, bfloat16 or float16, any shape.
+      block_size: weights per absmax, a positive even integer dividing ``w.size``.
+      double_quant: quantize the absmax values too.
+
+    Returns:
+      An ``NF4Tensor``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from rudax.kernels import nf4_quantize, nf4_dequantize
+      >>> w = jax.random.normal(jax.random.key(0), (128, 64), jnp.bfloat16)
+      >>> q = nf4_quantize(w)
+      >>> q.codes.shape, q.absmax_codes.shape, q.absmax_scales.shape
+      ((4096,), (128,), (1,))
+      >>> w2 = nf4_dequantize(q)
+      >>> w2.dtype, bool(jnp.max(jnp.abs(w2 - w)) < 0.2 * jnp.max(jnp.abs(w)))
+      (dtype(bfloat16), True)
+
+    References:
+      Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023,
+      https://arxiv.org/abs/2305.14314
+    """
+    _check_weight(w, block_size)
+    x_NxB = w.astype(jnp.float32).reshape(-1, block_size)
+    absmax_N, index_NxB = _quantize_nf4(x_NxB)
+    pairs = index_NxB.reshape(-1, 2)
+    codes = (pairs[:, 0] << 4) | pairs[:, 1]
+    if not double_quant:
+        return NF4Tensor(codes, absmax_N, None, None, None, tuple(w.shape), w.dtype, block_size)
+    offset = jnp.mean(absmax_N)
+    absmax_codes, scales_M = _double_quantize(absmax_N, offset)
+    return NF4Tensor(
+        codes,
+        None,
+        absmax_codes,
+        scales_M,
+        offset,
+        tuple(w.shape),
+        w.dtype,
+        block_size,
+    )
+
+
+def _absmax(q: NF4Tensor) -> jax.Array:
+    if q.absmax is not None:
+        return q.absmax
+    assert q.absmax_codes is not None and q.absmax_scales is not None
+    assert q.absmax_offset is not None
+    n = q.absmax_codes.shape[0]
+    values = jnp.asarray(DYNAMIC_CODE)[q.absmax_codes.astype(jnp.int32)]
+    scales = jnp.repeat(q.absmax_scales, ABSMAX_BLOCK_SIZE)[:n]
+    product = values * scales
+    # Two roundings, as bitsandbytes does. XLA contracts a multiply and an add in one fusion
+    # into a fused multiply-add, which rounds once and changes the bits; an
+    # optimization_barrier is removed before fusion, but no fusion crosses a conditional.
+    # The other branch is taken only for a NaN offset, where the sum is NaN either way.
+    offset = q.absmax_offset
+    product = jax.lax.cond(offset == offset, lambda p: p, jnp.zeros_like, product)
+    return product + offset
+
+
+def nf4_dequantize(q: NF4Tensor, dtype: jnp.dtype | None = None) -> jax.Array:
+    """The weight an ``NF4Tensor`` stores: ``NF4[code_i] * absmax_b``, in fp32, then rounded.
+
+    Under double quantization ``absmax_b = DYNAMIC[c_b] * scale_{b // 256} + offset`` first,
+    in fp32. The product is rounded once, to nearest even, into ``dtype``.
+
+    Args:
+      q: from ``nf4_quantize``.
+      dtype: the result's dtype, a floating dtype; ``None`` gives the original weight's dtype.
+
+    Returns:
+      An array of ``q.shape``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from rudax.kernels import nf4_quantize, nf4_dequantize
+      >>> q = nf4_quantize(jnp.linspace(-1.0, 1.0, 64), double_quant=False)
+      >>> w = nf4_dequantize(q)
+      >>> w[0], w[-1], w.dtype
+      (Array(-1., dtype=float32), Array(1., dtype=float32), dtype('float32'))
+    """
+    if not isinstance(q, NF4Tensor):
+        raise TypeError(f"q must be an NF4Tensor, got {type(q).__name__}")
+    out_dtype = jnp.dtype(q.dtype if dtype is None else dtype)
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype=}")
+    return _dequantize(q, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _dequantize(q: NF4Tensor, out_dtype: jnp.dtype) -> jax.Array:
+    high = (q.codes >> 4).astype(jnp.int32)
+    low = (q.codes & 0xF).astype(jnp.int32)
+    index = jnp.stack([high, low], axis=1).reshape(-1, q.block_size)
+    values_NxB = jnp.asarray(NF4_CODE)[index] * _absmax(q)[:, None]
+    return values_NxB.astype(out_dtype).reshape(q.shape)
