@@ -1,10 +1,15 @@
 """4-bit NormalFloat (NF4) quantization of weights, with QLoRA's double quantization.
 
-The format is bitsandbytes' (``quantize_4bit(..., quant_type="nf4")``), bit for bit: the same
-16 code values, the same nearest-code rule and tie, the same packing of two codes per byte,
-and the same fp32 arithmetic on the way back, so a weight quantized here dequantizes to the
-same bits as bitsandbytes gives (``tests/kernels/test_nf4.py`` checks it against both
-bitsandbytes and a numpy reference).
+The format is bitsandbytes' (``quantize_4bit(..., quant_type="nf4")``): the same 16 code
+values, the same nearest-code rule and tie, the same packing of two codes per byte, and the
+same fp32 arithmetic on the way back. Without double quantization the codes, the absmax and
+the dequantized weights equal bitsandbytes' bit for bit; with it, the NF4 codes, the
+256-block scales and the dequantization of a given state do, while two things may differ in
+the last bits: the offset (the fp32 mean of the absmax values: torch and XLA sum in
+different orders) and, for well under 1% of blocks, an 8-bit absmax code, which is then the
+neighbouring one (bitsandbytes' compiled CPU quantizer does not pick the nearest code for
+some values next to a midpoint; rudax does). ``tests/kernels/test_nf4.py`` checks all of it
+against bitsandbytes and against a numpy reference.
 
 Pure jnp: quantization runs once per weight, and dequantization is an elementwise gather and
 multiply that XLA fuses into its consumer. The dequantize-matmul kernel builds on this module.
@@ -166,10 +171,12 @@ def _quantize_nf4(x_NxB: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _quantize_dynamic(x_MxK: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's absmax, and each value's nearest dynamic-map index after dividing by it.
 
-    bitsandbytes' CPU blockwise quantizer, rule for rule: a true division, the code at or
-    below the value, then the upper neighbour instead only if its fp32 distance is strictly
-    smaller. Comparing fp32 distances is not comparing with fp32 midpoints; the two pick
-    different codes for values within an ulp or so of a midpoint.
+    The rule of bitsandbytes' CPU blockwise quantizer as its source states it: a true
+    division, the code at or below the value, then the upper neighbour instead only if its
+    fp32 distance is strictly smaller (comparing fp32 distances is not comparing with fp32
+    midpoints: the two differ for values within an ulp or so of a midpoint). The compiled
+    bitsandbytes 0.50.2 departs from it for a few values near a midpoint (see the module
+    docstring).
     """
     absmax_M = jnp.max(jnp.abs(x_MxK), axis=1)
     # XLA rewrites a division by a broadcast into a multiplication by the reciprocal, which

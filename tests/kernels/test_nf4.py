@@ -260,3 +260,36 @@ def test_bad_inputs():
         nf4_dequantize(nf4_quantize(w), jnp.int8)
     with pytest.raises(TypeError, match=r"q must be an NF4Tensor, got ArrayImpl"):
         nf4_dequantize(w)
+
+
+def test_dynamic_quantize_divides_exactly():
+    """Values a few ulps from the dynamic map's midpoints: x / absmax and x * (1 / absmax)
+    round to different sides for some of them, so XLA's rewrite of a division by a broadcast
+    into a multiplication by the reciprocal would change codes here."""
+    absmax = np.float32(0.7301)
+    mids = ((_nf4.DYNAMIC_CODE[:-1] + _nf4.DYNAMIC_CODE[1:]) / np.float32(2)).astype(np.float32)
+    x = (mids * absmax).astype(np.float32)
+    candidates = [x]
+    for direction in (np.inf, -np.inf):
+        near = x
+        for _ in range(3):
+            near = np.nextafter(near, np.float32(direction))
+            candidates.append(near)
+    values = np.concatenate(candidates)
+    values = values[np.abs(values) < absmax]
+    rows = -(-values.size // 255)
+    body = np.zeros(rows * 255, np.float32)
+    body[: values.size] = values
+    blocks = np.concatenate([np.full((rows, 1), absmax), body.reshape(rows, 255)], axis=1)
+    scales, codes = jax.jit(_nf4._quantize_dynamic)(jnp.asarray(blocks))
+    expected_codes, expected_scales = _np_dynamic_quantize(blocks.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(codes).reshape(-1), expected_codes)
+    np.testing.assert_array_equal(_bits(scales), _bits(expected_scales))
+    # The case this test is for exists in its input: the reciprocal's codes differ.
+    reciprocal = blocks * (np.float32(1) / absmax)
+    below = np.clip(np.searchsorted(_nf4.DYNAMIC_CODE, reciprocal, side="right") - 1, 0, 255)
+    above = np.minimum(below + 1, 255)
+    code = _nf4.DYNAMIC_CODE
+    nearer = np.abs(reciprocal - code[above]) < np.abs(reciprocal - code[below])
+    by_reciprocal = np.where(nearer, above, below).reshape(-1)
+    assert np.sum(by_reciprocal != expected_codes) > 0
