@@ -149,9 +149,10 @@ def test_double_quant_dequantizes_bitsandbytes_state_bitwise(shape, dtype_name):
     # orders, so the last bits may differ.
     np.testing.assert_allclose(float(q.absmax_offset), state.offset.item(), rtol=4e-7)
     assert q.absmax_scales.shape == state.state2.absmax.shape
-    # The 8-bit absmax codes: bitsandbytes' C quantizer (a bucketed search, BinSearch's
-    # Direct2) picks the farther of two neighbouring codes for a few values next to a
-    # midpoint. Not bitwise yet: at least 99% equal, every other one a neighbour.
+    # The 8-bit absmax codes: bitsandbytes' compiled CPU quantizer picks the farther of two
+    # neighbouring codes for a few values next to a midpoint (its source's search and
+    # fp32-distance rule, emulated in numpy, do not reproduce it). Not bitwise yet: at least
+    # 99% equal, every other one a neighbour.
     codes8 = np.asarray(q.absmax_codes).astype(np.int32)
     codes8_t = state.absmax.numpy().astype(np.int32)
     assert np.mean(codes8 == codes8_t) >= 0.99
