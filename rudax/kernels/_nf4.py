@@ -202,8 +202,13 @@ def _double_quantize(absmax_N: jax.Array, offset: jax.Array) -> tuple[jax.Array,
     return codes_MxK.reshape(-1)[:n], scales_M
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "double_quant"))
-def nf4_quantize(w: jax.Array, *, block_size: int = 64, double_quant: bool = True) -> NF4Tensor:
+def nf4_quantize(
+    w: jax.Array | np.ndarray,
+    *,
+    block_size: int = 64,
+    double_quant: bool = True,
+    chunk_size: int | None = None,
+) -> NF4Tensor:
     """Quantizes a weight to 4-bit NormalFloat in blocks, as QLoRA and bitsandbytes do.
 
     The flattened weight is cut into blocks of ``block_size``; for each block ``b``::
@@ -220,10 +225,19 @@ def nf4_quantize(w: jax.Array, *, block_size: int = 64, double_quant: bool = Tru
     The weight's size must be a multiple of ``block_size`` (bitsandbytes also takes a short
     last block; rudax refuses it instead, as every matrix of a real model divides by 64).
 
+    ``chunk_size`` bounds the memory it takes: the flattened weight is quantized that many
+    values at a time (the blocks are independent), and a NumPy ``w`` (a tensor just read from
+    a checkpoint) is moved to the device one chunk at a time, so beside ``w`` and the result
+    only one chunk's fp32 copy exists. The result is the same, bit for bit, for any
+    ``chunk_size``: each block's codes and absmax do not depend on the others, and the offset is
+    the mean of the same absmax vector, summed by the same program.
+
     Args:
-      w: the weight, float32, bfloat16 or float16, any shape.
+      w: the weight, float32, bfloat16 or float16, any shape; a ``jax.Array`` or a NumPy array.
       block_size: weights per absmax, a positive even integer dividing ``w.size``.
       double_quant: quantize the absmax values too.
+      chunk_size: values quantized per step, a positive multiple of ``block_size``; None
+        quantizes the whole weight in one step.
 
     Returns:
       An ``NF4Tensor``.
@@ -243,25 +257,52 @@ def nf4_quantize(w: jax.Array, *, block_size: int = 64, double_quant: bool = Tru
       Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023,
       https://arxiv.org/abs/2305.14314
     """
+    if not isinstance(w, jax.Array | np.ndarray):
+        w = jnp.asarray(w)
     _check_weight(w, block_size)
-    x_NxB = w.astype(jnp.float32).reshape(-1, block_size)
-    absmax_N, index_NxB = _quantize_nf4(x_NxB)
-    pairs = index_NxB.reshape(-1, 2)
-    codes = (pairs[:, 0] << 4) | pairs[:, 1]
+    if chunk_size is None:
+        chunk_size = w.size
+    elif (
+        not isinstance(chunk_size, int)
+        or isinstance(chunk_size, bool)
+        or chunk_size <= 0
+        or chunk_size % block_size
+    ):
+        raise ValueError(
+            f"chunk_size must be a positive multiple of block_size={block_size}, got {chunk_size=}"
+        )
+    flat = w.reshape(-1)
+    pieces = [
+        _quantize_blocks(flat[start : start + chunk_size], block_size)
+        for start in range(0, w.size, chunk_size)
+    ]
+    codes = _concatenate([codes for codes, _ in pieces])
+    absmax_N = _concatenate([absmax for _, absmax in pieces])
+    del pieces
+    shape, dtype = tuple(w.shape), jnp.dtype(w.dtype)
     if not double_quant:
-        return NF4Tensor(codes, absmax_N, None, None, None, tuple(w.shape), w.dtype, block_size)
+        return NF4Tensor(codes, absmax_N, None, None, None, shape, dtype, block_size)
+    absmax_codes, scales_M, offset = _double_quantize_all(absmax_N)
+    return NF4Tensor(codes, None, absmax_codes, scales_M, offset, shape, dtype, block_size)
+
+
+def _concatenate(arrays: list[jax.Array]) -> jax.Array:
+    return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _quantize_blocks(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """The packed codes and the absmax of a flat run of whole blocks."""
+    absmax_N, index_NxB = _quantize_nf4(x.astype(jnp.float32).reshape(-1, block_size))
+    pairs = index_NxB.reshape(-1, 2)
+    return (pairs[:, 0] << 4) | pairs[:, 1], absmax_N
+
+
+@jax.jit
+def _double_quantize_all(absmax_N: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     offset = jnp.mean(absmax_N)
     absmax_codes, scales_M = _double_quantize(absmax_N, offset)
-    return NF4Tensor(
-        codes,
-        None,
-        absmax_codes,
-        scales_M,
-        offset,
-        tuple(w.shape),
-        w.dtype,
-        block_size,
-    )
+    return absmax_codes, scales_M, offset
 
 
 def _absmax(q: NF4Tensor) -> jax.Array:

@@ -242,6 +242,22 @@ def test_all_zero_block():
     np.testing.assert_array_equal(np.asarray(nf4_dequantize(q)), np.asarray(w))
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("host", [False, True], ids=["device", "numpy"])
+def test_chunked_quantization_is_bitwise_the_whole(double_quant, host):
+    # 3 x 640 values in chunks of 256: the last chunk is short, and chunks cut rows.
+    w = jax.random.normal(jax.random.key(7), (3, 640), jnp.bfloat16) * 0.02
+    whole = nf4_quantize(w, double_quant=double_quant)
+    source = np.asarray(w) if host else w
+    chunked = nf4_quantize(source, double_quant=double_quant, chunk_size=256)
+    assert chunked.shape == whole.shape and chunked.dtype == whole.dtype
+    for name in ("codes", "absmax", "absmax_codes", "absmax_scales", "absmax_offset"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+
+
 # --- bad inputs ------------------------------------------------------------------------
 
 
@@ -257,6 +273,9 @@ def test_bad_inputs():
         nf4_quantize(jnp.ones((4, 40), jnp.float32))
     with pytest.raises(TypeError, match=r"w.dtype=int32"):
         nf4_quantize(jnp.ones((4, 64), jnp.int32))
+    for bad in (0, 96, True, 64.0):
+        with pytest.raises(ValueError, match=r"chunk_size must be a positive multiple of "):
+            nf4_quantize(w, chunk_size=bad)
     with pytest.raises(TypeError, match=r"dtype must be a floating dtype"):
         nf4_dequantize(nf4_quantize(w), jnp.int8)
     with pytest.raises(TypeError, match=r"q must be an NF4Tensor, got ArrayImpl"):
