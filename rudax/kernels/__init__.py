@@ -29,6 +29,9 @@ from rudax.kernels._layer_norm import layer_norm_reference as layer_norm_referen
 from rudax.kernels._nf4 import NF4Tensor as NF4Tensor
 from rudax.kernels._nf4 import nf4_dequantize as nf4_dequantize
 from rudax.kernels._nf4 import nf4_quantize as nf4_quantize
+from rudax.kernels._nf4_matmul import NF4MatmulBlock as NF4MatmulBlock
+from rudax.kernels._nf4_matmul import nf4_matmul as nf4_matmul
+from rudax.kernels._nf4_matmul import nf4_matmul_reference as nf4_matmul_reference
 from rudax.kernels._rms_norm import rms_norm as rms_norm
 from rudax.kernels._rms_norm import rms_norm_reference as rms_norm_reference
 from rudax.kernels._rowwise import RowBlock as RowBlock
@@ -48,6 +51,7 @@ from rudax.kernels._silu_mul import silu_mul_reference as silu_mul_reference
 __all__: list[str] = [
     "AdamWBlock",
     "GlobalNormBlock",
+    "NF4MatmulBlock",
     "NF4Tensor",
     "RowBlock",
     "SiluMulBlock",
@@ -60,6 +64,8 @@ __all__: list[str] = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "nf4_dequantize",
+    "nf4_matmul",
+    "nf4_matmul_reference",
     "nf4_quantize",
     "rms_norm",
     "rms_norm_reference",
