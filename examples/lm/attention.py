@@ -4,7 +4,9 @@ The GPT in ``examples/lm/model.py`` uses ``CausalSelfAttention``; the two functi
 its arithmetic, written out so each can be checked against a plain reference. The layer
 covers what Llama-family checkpoints need (``examples/lm/hf.py``): grouped-query attention,
 q/k/v biases (Qwen2), separate q/k/v projections beside the fused one, and Llama 3's
-frequency rewrite of RoPE (``Llama3RopeScaling``).
+frequency rewrite of RoPE (``Llama3RopeScaling``). It also runs packed rows, several
+examples of a fine-tuning batch in one row: ``segment_ids`` keep attention within each
+example and ``positions`` restart RoPE at 0 for each.
 """
 
 from __future__ import annotations
@@ -116,9 +118,13 @@ def rope_frequencies(
 
 
 def apply_rope(
-    x_BxTxHxK: jax.Array, *, theta: float = 10000.0, scaling: Llama3RopeScaling | None = None
+    x_BxTxHxK: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    theta: float = 10000.0,
+    scaling: Llama3RopeScaling | None = None,
 ) -> jax.Array:
-    """Rotary position embedding of queries or keys at positions ``0 .. T-1``, in fp32.
+    """Rotary position embedding of queries or keys at positions ``0 .. T-1`` or given ones.
 
     Channel ``i`` is paired with channel ``i + K/2`` (GPT-NeoX's "rotate half" layout, the
     same rotation as RoFormer's interleaved pairs up to a fixed permutation of channels), and
@@ -133,8 +139,17 @@ def apply_rope(
     time (constants of the program; transformers computes them in fp32), the rotation in
     fp32, and the result is returned in ``x``'s dtype.
 
+    ``positions`` gives each token its own ``t`` (packed sequences: each example's tokens
+    restart at 0). The table of ``cos``/``sin`` for ``t = 0 .. T-1`` is the same float64
+    NumPy constant as without ``positions``, and each token reads its row of it, so a token
+    at position ``t`` is rotated bit for bit as the ``t``-th token of an unpacked row is.
+    A position outside ``[0, T)`` cannot be checked at trace time: its token's rotation is
+    NaN, visibly wrong, never clamped to another position.
+
     Args:
       x_BxTxHxK: queries or keys, ``[batch, time, heads, head_dim]``, head_dim even.
+      positions: None for ``0 .. T-1`` in every row; or integer positions ``[batch, time]``,
+        each in ``[0, T)``.
       theta: the base wavelength, > 0.
       scaling: None, or a ``Llama3RopeScaling`` rewriting the frequencies.
 
@@ -151,6 +166,10 @@ def apply_rope(
       True
       >>> bool(jnp.allclose(y[0, 1, 0], jnp.array([c - s, c + s])))
       True
+      >>> # Given positions: the second token at position 0 is not rotated at all.
+      >>> y = apply_rope(x, positions=jnp.array([[1, 0]]))
+      >>> bool(jnp.allclose(y[0, 0, 0], jnp.array([c - s, c + s]))), bool(jnp.all(y[0, 1] == 1))
+      (True, True)
 
     References:
       Su et al., `RoFormer <https://arxiv.org/abs/2104.09864>`_, 2021.
@@ -163,11 +182,39 @@ def apply_rope(
     t, k = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
     inv_freq = rope_frequencies(k, theta=theta, scaling=scaling)
     angles_TxK2 = np.arange(t, dtype=np.float64)[:, None] * inv_freq[None, :]
-    cos = jnp.asarray(np.cos(angles_TxK2)[None, :, None, :], jnp.float32)
-    sin = jnp.asarray(np.sin(angles_TxK2)[None, :, None, :], jnp.float32)
+    if positions is None:
+        cos = jnp.asarray(np.cos(angles_TxK2)[None, :, None, :], jnp.float32)
+        sin = jnp.asarray(np.sin(angles_TxK2)[None, :, None, :], jnp.float32)
+    else:
+        positions_BxT = _check_per_token("positions", positions, x_BxTxHxK.shape[:2])
+        # Rows of the same constant table as above (not fp32 angles computed from the
+        # positions), so packing changes no token's rotation by even one ulp.
+        valid_BxT = (positions_BxT >= 0) & (positions_BxT < t)
+        index_BxT = jnp.where(valid_BxT, positions_BxT, 0)
+        cos, sin = (
+            jnp.where(
+                valid_BxT[..., None],
+                jnp.asarray(table_TxK2, jnp.float32)[index_BxT],
+                jnp.float32(jnp.nan),
+            )[:, :, None, :]
+            for table_TxK2 in (np.cos(angles_TxK2), np.sin(angles_TxK2))
+        )
     x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return y.astype(x_BxTxHxK.dtype)
+
+
+def _check_per_token(name: str, value: Any, shape_BxT: tuple[int, ...]) -> jax.Array:
+    """``value`` as an integer ``[batch, time]`` array of ``shape_BxT``, or a clear error."""
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers, got {name}.dtype={value.dtype}")
+    if value.shape != tuple(shape_BxT):
+        raise ValueError(
+            f"{name} must be [batch, time] = {tuple(shape_BxT)}, one per token, got "
+            f"{name}.shape={value.shape}"
+        )
+    return value
 
 
 # Query rows per block of ``causal_attention``: small enough that the masked half it skips
@@ -181,9 +228,10 @@ def causal_attention(
     k_BxTxGxK: jax.Array,
     v_BxTxGxK: jax.Array,
     *,
+    segment_ids: jax.Array | None = None,
     query_block: int = QUERY_BLOCK,
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(K) + causal mask) v``, scores and softmax in fp32; GQA too.
+    """``softmax(q k^T / sqrt(K) + mask) v``, scores and softmax in fp32; GQA and packing too.
 
     Grouped-query attention: ``k`` and ``v`` may have ``G`` heads for ``q``'s ``H``, ``G``
     dividing ``H``; query head ``h`` then attends with key/value head ``h // (H / G)``, the
@@ -200,10 +248,20 @@ def causal_attention(
     step 3% cheaper (2.6-6% over four paired runs). The full form had cost the same as
     ``jax.nn.dot_product_attention(..., is_causal=True)``.
 
+    The mask is causal: query ``t`` sees keys ``s <= t``. With ``segment_ids`` (several
+    examples packed into one row) it is also within the segment: query ``t`` sees key ``s``
+    iff ``s <= t`` and ``segment_ids[b, s] == segment_ids[b, t]``, so each example attends
+    only to itself, exactly as if it were alone (its keys from other segments get
+    probability 0). Padding (segment 0, or any id) attends only to its own segment's earlier
+    tokens; every row still keeps its diagonal, so no row is all masked and no output is
+    NaN. Blocks are as above: the mask is applied inside each block.
+
     Args:
       q_BxTxHxK: queries ``[batch, time, H, head_dim]``.
       k_BxTxGxK, v_BxTxGxK: keys and values ``[batch, time, G, head_dim]``, ``H % G == 0``,
         of q's dtype.
+      segment_ids: None (one sequence per row), or integer ids ``[batch, time]``: tokens
+        attend only to earlier tokens of the same id.
       query_block: query rows per block, >= 1; ``T`` or more: one block, the full form.
 
     Returns:
@@ -223,6 +281,10 @@ def causal_attention(
       Array([[0. , 0. ],
              [0.5, 0.5],
              [1. , 1. ]], dtype=float32)
+      >>> # Two examples packed in one row: the third token starts its own segment.
+      >>> seg = jnp.array([[1, 1, 2]])
+      >>> causal_attention(q, q, v, segment_ids=seg)[0, :, 0, 0]
+      Array([0. , 0.5, 2. ], dtype=float32)
     """
     q, k, v = q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
     if (
@@ -239,6 +301,8 @@ def causal_attention(
         )
     check_positive_int("query_block", query_block)
     b, t, h, kd = q.shape
+    if segment_ids is not None:
+        segment_ids = _check_per_token("segment_ids", segment_ids, (b, t))
     g = k.shape[2]
     scale = 1.0 / math.sqrt(kd)
     if g == h:  # one key/value head per query head: no group axis in the einsums
@@ -257,7 +321,12 @@ def causal_attention(
             * scale
         )
         # Query row s + i sees keys 0 .. s + i. -inf is safe: every row keeps its diagonal.
-        mask = np.tril(np.ones((e - s, e), bool), k=s)
+        causal = np.tril(np.ones((e - s, e), bool), k=s)
+        mask: Any = causal
+        if segment_ids is not None:  # ... of its own segment: [B, e - s, e], per row
+            same_BxQxS = segment_ids[:, s:e, None] == segment_ids[:, None, :e]
+            mask_BxQxS = same_BxQxS & causal
+            mask = mask_BxQxS[:, None] if g == h else mask_BxQxS[:, None, None]
         probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
         out = jnp.einsum(o_spec, probs.astype(v.dtype), v[:, :e])
         outs.append(out if g == h else out.reshape(b, e - s, h, kd))
@@ -298,7 +367,9 @@ class CausalSelfAttention(nnx.Module):
 
     Returns:
       A module; calling it on ``x[B, T, d]`` returns an array of the same shape in the
-      compute dtype.
+      compute dtype. ``segment_ids`` and ``positions`` (integers ``[B, T]``, keyword-only)
+      pack several examples into a row: attention stays within each segment
+      (``causal_attention``) and RoPE rotates by each token's own position (``apply_rope``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -310,6 +381,9 @@ class CausalSelfAttention(nnx.Module):
       >>> gqa = CausalSelfAttention(16, 4, num_kv_heads=2, fused_qkv=False, rngs=nnx.Rngs(0))
       >>> gqa.q.kernel.shape, gqa.k.kernel.shape, gqa(jnp.ones((1, 5, 16))).shape
       ((16, 16), (16, 8), (1, 5, 16))
+      >>> seg, pos = jnp.array([[1, 1, 1, 2, 2]]), jnp.array([[0, 1, 2, 0, 1]])
+      >>> attn(jnp.ones((1, 5, 8)), segment_ids=seg, positions=pos).shape
+      (1, 5, 8)
 
     References:
       Vaswani et al., `Attention Is All You Need <https://arxiv.org/abs/1706.03762>`_, 2017;
@@ -377,7 +451,13 @@ class CausalSelfAttention(nnx.Module):
         """The attribute names of the layer's projections, in their layout."""
         return ("qkv", "out") if self.fused_qkv else ("q", "k", "v", "out")
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
         x_BxTxD = jnp.asarray(x_BxTxD)
         if x_BxTxD.ndim != 3:
             raise ValueError(f"CausalSelfAttention expects x[B, T, d], got x.shape={x_BxTxD.shape}")
@@ -393,5 +473,8 @@ class CausalSelfAttention(nnx.Module):
         else:
             q, k, v = jnp.split(self.qkv(x_BxTxD), [h * kd, (h + g) * kd], axis=-1)
             q, k, v = q.reshape(b, t, h, kd), k.reshape(b, t, g, kd), v.reshape(b, t, g, kd)
-        rope = lambda y: apply_rope(y, theta=self.rope_theta, scaling=self.rope_scaling)
-        return self.out(causal_attention(rope(q), rope(k), v).reshape(b, t, d))
+        rope = lambda y: apply_rope(
+            y, positions=positions, theta=self.rope_theta, scaling=self.rope_scaling
+        )
+        out = causal_attention(rope(q), rope(k), v, segment_ids=segment_ids)
+        return self.out(out.reshape(b, t, d))

@@ -13,6 +13,7 @@ projections (``fused_qkv=False``), q/k/v biases (``qkv_bias``) and Llama 3's RoP
 Read top to bottom: ``GPTConfig``, ``Block``, ``GPT`` (attention is in
 ``examples/lm/attention.py``, the experts in ``examples/lm/moe.py``), then what a trainer
 needs: ``loss_sum`` (the contract with token-weighted gradient accumulation),
+``labelled_loss_sum`` (the same for fine-tuning's labelled, packed batches),
 ``flops_per_token`` (for MFU) and ``shard`` (the same model for FSDP over ``rudax.sharding``).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -205,6 +207,7 @@ class Block(nnx.Module):
     Returns:
       A module; calling it on ``x[B, T, d_model]`` returns ``(x, aux)``: the new residual
       stream and the MoE load-balancing loss (a fp32 zero for a dense block).
+      ``segment_ids`` and ``positions`` go to the attention (``CausalSelfAttention``).
     """
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
@@ -257,8 +260,16 @@ class Block(nnx.Module):
             kernel = self.mlp.down.kernel
             kernel.set_value(out_init(rngs.params(), kernel.shape, kernel.dtype))
 
-    def __call__(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD))
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        x_BxTxD = x_BxTxD + self.attn(
+            self.attn_norm(x_BxTxD), segment_ids=segment_ids, positions=positions
+        )
         if self.is_moe:
             h, aux = self.mlp(self.mlp_norm(x_BxTxD))
         else:
@@ -272,7 +283,7 @@ class GPT(nnx.Module):
     ::
 
         x = embed(tokens)                              (compute dtype)
-        for block in blocks: x, aux_l = block(x)
+        for block in blocks: x, aux_l = block(x, segment_ids, positions)
         logits = norm(x) @ table.T                     (table: the embedding's, tied, or
                                                         the head's own [V, d] one)
         aux_loss = mean_l(aux_l)                       (0 for a dense model)
@@ -284,6 +295,14 @@ class GPT(nnx.Module):
     Args:
       config: a ``GPTConfig``.
       rngs: the ``nnx.Rngs`` whose ``params`` stream draws the weights.
+
+    Packed rows: ``model(tokens, segment_ids=..., positions=...)``, both integer ``[B, T]``
+    like ``tokens``, runs several examples in each row as if each were alone: token ``t``
+    attends to token ``s`` only if ``s <= t`` and ``segment_ids[b, s] == segment_ids[b, t]``,
+    and RoPE rotates it by ``positions[b, t]`` (its place in its own example, in
+    ``[0, T)``). Padding (segment 0) attends only to padding; its outputs are finite and
+    meaningless. Without them (None, the default) every row is one sequence at positions
+    ``0 .. T-1``: the same program as before they existed.
 
     Returns:
       A module; ``model(tokens_BxT)`` (integer ids, ``T <= config.seq_len``) returns
@@ -298,6 +317,12 @@ class GPT(nnx.Module):
       >>> logits, aux = GPT(config, rngs=nnx.Rngs(0))(jnp.ones((2, 8), jnp.int32))
       >>> logits.shape, logits.dtype, aux
       ((2, 8, 64), dtype(bfloat16), Array(0., dtype=float32))
+      >>> seg = jnp.array([[1, 1, 1, 2, 2, 2, 0, 0]] * 2)  # two examples and padding per row
+      >>> pos = jnp.array([[0, 1, 2, 0, 1, 2, 0, 0]] * 2)
+      >>> model = GPT(config, rngs=nnx.Rngs(0))
+      >>> logits, _ = model(jnp.ones((2, 8), jnp.int32), segment_ids=seg, positions=pos)
+      >>> bool(jnp.allclose(logits[:, 0:3], logits[:, 3:6], atol=1e-2))  # the same example
+      True
 
     References:
       Radford et al., `Language Models are Unsupervised Multitask Learners
@@ -328,18 +353,36 @@ class GPT(nnx.Module):
         # same [V, d] layout, so loss_sum's fused loss and shard() need no second code path.
         self.head = rl.TiedProjection(self.embed if c.tie_embeddings else table(), dtype=c.dtype)
 
-    def __call__(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-        h_BxTxD, aux = self.features(tokens_BxT)
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        h_BxTxD, aux = self.features(tokens_BxT, segment_ids=segment_ids, positions=positions)
         return self.head(h_BxTxD), aux
 
-    def features(self, tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(norm(x), aux_loss)``: what the head projects to logits, and the balancing loss."""
+    def features(
+        self,
+        tokens_BxT: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(norm(x), aux_loss)``: what the head projects to logits, and the balancing loss.
+
+        ``segment_ids`` and ``positions`` as in ``__call__``.
+        """
         tokens_BxT = jnp.asarray(tokens_BxT)
         _check_tokens("tokens_BxT", tokens_BxT, self.config.seq_len)
+        for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+            if value is not None:
+                _check_like_tokens(name, value, tokens_BxT.shape)
         x_BxTxD = self.embed(tokens_BxT)
         aux = []
         for block in self.blocks:
-            x_BxTxD, aux_l = block(x_BxTxD)
+            x_BxTxD, aux_l = block(x_BxTxD, segment_ids=segment_ids, positions=positions)
             aux.append(aux_l)
         return self.norm(x_BxTxD), jnp.mean(jnp.stack(aux))
 
@@ -351,6 +394,17 @@ def _check_tokens(name: str, tokens: jax.Array, max_len: int) -> None:
         raise ValueError(
             f"{name} must be [batch, time] with 1 <= time <= seq_len={max_len}, got "
             f"{name}.shape={tokens.shape}"
+        )
+
+
+def _check_like_tokens(name: str, value: Any, shape: tuple[int, ...]) -> None:
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integers, got {name}.dtype={value.dtype}")
+    if value.shape != tuple(shape):
+        raise ValueError(
+            f"{name} must have the tokens' shape [batch, time] = {tuple(shape)}, got "
+            f"{name}.shape={value.shape}"
         )
 
 
@@ -425,6 +479,122 @@ def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, ja
     n = targets_BxT.size
     total = ce_sum + model.config.moe_aux_weight * float(n) * aux
     return total, {"tokens": jnp.asarray(n, jnp.int32), "ce_sum": ce_sum, "aux_loss": aux}
+
+
+# The fused loss's chunk when the config asks for none (``loss_chunk=None`` means full logits
+# to ``loss_sum``; a labelled batch always goes through ``linear_cross_entropy``).
+LABELLED_LOSS_CHUNK = 1024
+BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
+
+
+def labelled_loss_sum(
+    model: GPT, batch: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Cross entropy SUMMED over the labelled tokens of a (packed) batch, plus the MoE term.
+
+    ``batch`` holds four integer ``[B, T]`` arrays: ``tokens``; ``labels``, the id to predict
+    at each position (already shifted: the next token of the same example) or ``-100``
+    where nothing is counted (prompt tokens, padding, an example's last token);
+    ``segment_ids``, 1, 2, ... per example packed in a row and 0 for padding; and
+    ``positions``, each token's 0-based place in its own example. With ``counted = labels !=
+    -100`` and ``n = sum(counted)``::
+
+        h, aux   = model.features(tokens, segment_ids=segment_ids, positions=positions)
+        ce_sum   = sum_{b,t} [counted] (logsumexp(logits[b, t]) - logits[b, t, labels[b, t]])
+        loss_sum = ce_sum + moe_aux_weight * aux * n
+
+    with ``logits = h @ head_table.T`` computed ``config.loss_chunk`` (or
+    ``LABELLED_LOSS_CHUNK``) tokens at a time by ``rudax.kernels.linear_cross_entropy``,
+    never all at once. Each example sees only itself (``GPT``'s packed rows), so a packed
+    row's ``loss_sum`` and gradient are the sums of its examples' own, alone; the balancing
+    loss ``aux`` is the router's over every token of the rows, padding included. A batch
+    with nothing counted gives 0, zero gradients and ``n = 0``, no NaN.
+
+    The contract of ``loss_sum``, weighted by counted tokens: ``acc.add(grad(loss_sum),
+    weight=metrics["tokens"])`` over microbatches, then ``acc.pop(normalize=True)``, is the
+    gradient of the mean cross entropy over every counted token of the window (plus the
+    token-weighted balancing term), however the examples were packed. A sharded head
+    (``shard``) is gathered for the fused loss, as calling it would.
+
+    Args:
+      model: a ``GPT`` (or its ``shard``ed form, inside ``shard_map``).
+      batch: a dict (any Mapping) with exactly the keys ``tokens``, ``labels``, ``segment_ids`` and
+        ``positions``, integer arrays of one shape ``[B, T]``, ``1 <= T <= seq_len``;
+        labels in ``[0, vocab_size)`` or -100 (others make the loss NaN, see
+        ``linear_cross_entropy``), positions in ``[0, T)``. Checked at trace time; a bad
+        one is a TypeError or ValueError naming its key and shape.
+
+    Returns:
+      ``(loss_sum, metrics)``: a fp32 scalar and ``{"tokens": n (int32), "ce_sum": ce_sum
+      (fp32), "aux_loss": aux (fp32, 0 for a dense model)}``; the mean cross entropy over
+      the counted tokens is ``ce_sum / tokens``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from examples.lm.model import GPT, GPTConfig, labelled_loss_sum
+      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=1, n_heads=2)
+      >>> batch = {  # one row: a 3-token prompt + 2-token completion, then padding
+      ...     "tokens":      jnp.array([[5, 6, 7, 8, 9, 0, 0, 0]]),
+      ...     "labels":      jnp.array([[-100, -100, 8, 9, -100, -100, -100, -100]]),
+      ...     "segment_ids": jnp.array([[1, 1, 1, 1, 1, 0, 0, 0]]),
+      ...     "positions":   jnp.array([[0, 1, 2, 3, 4, 0, 0, 0]]),
+      ... }
+      >>> loss, metrics = labelled_loss_sum(GPT(config, rngs=nnx.Rngs(0)), batch)
+      >>> int(metrics["tokens"]), loss.dtype, bool(loss == metrics["ce_sum"])
+      (2, dtype('float32'), True)
+    """
+    tokens_BxT, labels_BxT, segment_ids_BxT, positions_BxT = _check_batch(batch)
+    h_BxTxD, aux = model.features(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT)
+    # The fused loss needs the head's table itself; a sharded head gathers it here, as
+    # calling it would.
+    head = model.head
+    if isinstance(head, rs.ShardedModule):
+        head = head.gathered()
+    n_tokens, d = labels_BxT.size, h_BxTxD.shape[-1]
+    ce_sum, count = rk.linear_cross_entropy(
+        h_BxTxD.reshape(n_tokens, d),
+        head.embedding[...],
+        labels_BxT.reshape(n_tokens),
+        ignore_index=-100,
+        dtype=head.dtype,
+        chunk=model.config.loss_chunk or LABELLED_LOSS_CHUNK,
+    )
+    total = ce_sum + model.config.moe_aux_weight * count.astype(jnp.float32) * aux
+    return total, {"tokens": count, "ce_sum": ce_sum, "aux_loss": aux}
+
+
+def _check_batch(batch: Any) -> tuple[jax.Array, ...]:
+    """The four arrays of a labelled batch, in ``BATCH_KEYS`` order, or a clear error."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"batch must be a dict with the keys {BATCH_KEYS}, got {type(batch).__name__}"
+        )
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    unknown = sorted(str(k) for k in batch if k not in BATCH_KEYS)
+    if missing or unknown:
+        raise ValueError(
+            f"batch must have exactly the keys {BATCH_KEYS}: missing {missing}, unknown {unknown}"
+        )
+    arrays = []
+    for key in BATCH_KEYS:
+        try:
+            value = jnp.asarray(batch[key])
+        except TypeError as e:
+            raise TypeError(f"batch[{key!r}] must be an integer array, got {batch[key]!r}") from e
+        if not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(
+                f"batch[{key!r}] must hold integers, got batch[{key!r}].dtype={value.dtype}"
+            )
+        if value.ndim != 2:
+            raise ValueError(
+                f"batch[{key!r}] must be [batch, time], got batch[{key!r}].shape={value.shape}"
+            )
+        arrays.append(value)
+    shapes = {key: a.shape for key, a in zip(BATCH_KEYS, arrays, strict=True)}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"batch's arrays must have one shape [batch, time], got {shapes}")
+    return tuple(arrays)
 
 
 def flops_per_token(config: GPTConfig) -> float:
