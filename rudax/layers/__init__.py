@@ -5,7 +5,9 @@ Every layer casts explicitly (it runs under strict dtype promotion), takes a com
 fused ops for its memory-bound parts (norms, SwiGLU). ``to_dtype`` converts a model's
 parameter storage while keeping tied variables tied and frozen ones frozen. ``apply_lora``
 puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
-``save_adapter`` / ``load_adapter`` read and write peft's adapter files.
+``save_adapter`` / ``load_adapter`` read and write peft's adapter files. ``NF4Linear`` is a
+frozen base stored in 4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
+``apply_lora(..., quantize_base="nf4")`` builds while it adapts.
 """
 
 # Public names, re-exported one per line (``from rudax.layers._x import a as a``), sorted as
@@ -23,6 +25,8 @@ from rudax.layers._lora import Frozen as Frozen
 from rudax.layers._lora import LoRALinear as LoRALinear
 from rudax.layers._lora import LoRAParam as LoRAParam
 from rudax.layers._mlp import GatedMLP as GatedMLP
+from rudax.layers._nf4_linear import NF4Linear as NF4Linear
+from rudax.layers._nf4_linear import Quantized as Quantized
 from rudax.layers._norms import LayerNorm as LayerNorm
 from rudax.layers._norms import RMSNorm as RMSNorm
 from rudax.layers._peft import load_adapter as load_adapter
@@ -38,6 +42,8 @@ __all__ = [
     "LoRALinear",
     "LoRAParam",
     "ModuleNames",
+    "NF4Linear",
+    "Quantized",
     "RMSNorm",
     "TiedProjection",
     "apply_lora",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,9 @@ from rudax.layers._dropout import Dropout
 from rudax.layers._linear import Linear
 from rudax.layers._matmul import rows_matmul
 from rudax.layers._validation import check_features, check_rate
+
+if TYPE_CHECKING:
+    from rudax.layers._nf4_linear import NF4Linear
 
 _SCALE_RULES = ("alpha/rank", "alpha/sqrt(rank)")
 
@@ -87,7 +91,10 @@ class LoRALinear(nnx.Module):
 
     The base is frozen in place: its ``nnx.Param`` variables (kernel, bias) are re-tagged as
     ``rudax.layers.Frozen`` (same arrays, no copy), so ``nnx.Param`` selects only A and B (and
-    the other trainable parameters of a model), and ``LoRAParam`` selects the adapters only::
+    the other trainable parameters of a model), and ``LoRAParam`` selects the adapters only.
+    A ``rudax.layers.NF4Linear`` base (QLoRA) is taken as it is: its storage is
+    ``rudax.layers.Quantized`` and its bias ``Frozen`` already, and the adapter's math is the
+    same, with ``base(x)`` its dequantize-matmul::
 
         graphdef, trainable, rest = nnx.split(model, nnx.Param, ...)   # A, B (+ other Params)
         graphdef, adapters, rest = nnx.split(model, rl.LoRAParam, ...)  # A, B only
@@ -96,7 +103,8 @@ class LoRALinear(nnx.Module):
 
     Args:
       base: the ``rudax.layers.Linear`` or ``flax.nnx.Linear`` to adapt (both store the kernel
-        ``[in, out]``); modified in place as above, and called as it is (its own dtype rules).
+        ``[in, out]``), modified in place as above, or a ``rudax.layers.NF4Linear``, not
+        modified; called as it is (its own dtype rules).
       rank: the adapter's rank, > 0.
       alpha: the scale's numerator, > 0.
       dropout: dropout rate on the adapter's input, in [0, 1); ``train()``/``eval()`` and the
@@ -131,7 +139,7 @@ class LoRALinear(nnx.Module):
 
     def __init__(
         self,
-        base: Linear | nnx.Linear,
+        base: Linear | nnx.Linear | NF4Linear,
         rank: int,
         *,
         alpha: float,
@@ -142,10 +150,13 @@ class LoRALinear(nnx.Module):
         a_init: nnx.Initializer = _DEFAULT_A_INIT,
         rngs: nnx.Rngs,
     ):
-        if not isinstance(base, Linear | nnx.Linear):
+        # Imported here: NF4Linear's bias is a Frozen, defined in this module.
+        from rudax.layers._nf4_linear import NF4Linear
+
+        if not isinstance(base, Linear | nnx.Linear | NF4Linear):
             raise TypeError(
-                f"base must be a rudax.layers.Linear or a flax.nnx.Linear, got "
-                f"{type(base).__name__}: {base=}"
+                f"base must be a rudax.layers.Linear or a flax.nnx.Linear (or a "
+                f"rudax.layers.NF4Linear), got {type(base).__name__}: {base=}"
             )
         check_positive_int("rank", rank)
         if not isinstance(rngs, nnx.Rngs):
@@ -169,7 +180,7 @@ class LoRALinear(nnx.Module):
         self.dropout = Dropout(dropout, rngs=rngs if dropout > 0.0 else None)
         self.lora_a = LoRAParam(lora_a)
         self.lora_b = LoRAParam(jnp.zeros((rank, base.out_features), param_dtype))
-        _freeze(base)
+        _freeze(base)  # an NF4Linear has no nnx.Param: nothing to re-tag
         self.base = base
 
     def __call__(self, x: ArrayLike, *, deterministic: bool | None = None) -> jax.Array:
