@@ -90,8 +90,8 @@ def load_tokenizer(base_dir: str | os.PathLike) -> BaseTokenizer:
       A ``BaseTokenizer``.
 
     Raises:
-      ValueError: ``tokenizer.json`` is missing, no eos id can be found, or the one found is
-        not an id of the tokenizer.
+      ValueError: ``tokenizer.json`` is missing, a config file is not a JSON object, no eos
+        id can be found, or the one found is not an id of the tokenizer.
 
     Example:
       >>> import json, pathlib, tempfile
@@ -113,7 +113,10 @@ def load_tokenizer(base_dir: str | os.PathLike) -> BaseTokenizer:
     eos_id, source = None, ""
     for name in ("generation_config.json", "config.json"):
         if (base / name).is_file():
-            value = json.loads((base / name).read_text()).get("eos_token_id")
+            try:
+                value = json.loads((base / name).read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+                raise ValueError(f"{base / name}: not valid JSON of an object ({e})") from None
             if isinstance(value, list) and value:
                 value = value[0]
             if value is not None:

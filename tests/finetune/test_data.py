@@ -251,7 +251,6 @@ def test_a_post_processor_bos_prefixes_every_example(base, tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
     tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
-    bos = tokenizer.token_to_id("<|endoftext|>")
     tokenizer.add_special_tokens(["<s>"])
     bos = tokenizer.token_to_id("<s>")
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -294,7 +293,7 @@ def test_packing_keeps_examples_whole_and_fills_rows_next_fit(tok, tmp_path):
     )
     rows_0, rows_1 = data.rows_in_epoch(0), data.rows_in_epoch(1)
     assert rows_0 < 40  # packing put several examples in some rows
-    n_batches = (rows_0 + rows_1) // batch_size
+    n_batches = -(-(rows_0 + rows_1) // batch_size)  # both epochs, whole
     stream = []  # the stream's rows, each a list of examples (tuples of ids)
     for i in range(n_batches):
         batch = data.batch(i)
@@ -313,8 +312,7 @@ def test_packing_keeps_examples_whole_and_fills_rows_next_fit(tok, tmp_path):
     epoch_0 = [ex for row in stream[:rows_0] for ex in row]
     assert sorted(epoch_0) == sorted(refs)  # every example once per epoch
     epoch_1 = [ex for row in stream[rows_0 : rows_0 + rows_1] for ex in row]
-    if len(stream) == rows_0 + rows_1:
-        assert sorted(epoch_1) == sorted(refs)
+    assert sorted(epoch_1) == sorted(refs)
     assert epoch_0 != epoch_1[: len(epoch_0)]  # a new order
     # next fit: a row ends only when the next example of the epoch would not fit in it.
     for k in range(rows_0 - 1):
@@ -542,6 +540,9 @@ def test_eos_id_comes_from_generation_config_then_config_then_the_special_token(
     vocab = t.tokenizer.get_vocab_size(with_added_tokens=True)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab}))
     with pytest.raises(ValueError, match=rf"eos_token_id={vocab} is not an id of .* \({vocab} ids"):
+        load_tokenizer(d)
+    (d / "generation_config.json").write_text("{eos_token_id: 7}")
+    with pytest.raises(ValueError, match=r"generation_config\.json: not valid JSON"):
         load_tokenizer(d)
     (d / "generation_config.json").unlink()
     (d / "config.json").unlink()
