@@ -119,12 +119,18 @@ def _weight_tile(codes_ref, absmax_ref, outs, out_mask, k_step, *, K, block_size
     codes = _compat.load(
         codes_ref.at[outs[:, None], pairs[None, :]], mask=mask, other=jnp.zeros((), jnp.uint8)
     ).astype(jnp.int32)
-    # Both weights of a byte (k = 2 * pair and 2 * pair + 1) share one block: block_size is even.
-    if K % block_size == 0:
-        blocks = outs[:, None] * (K // block_size) + (2 * pairs[None, :]) // block_size
+    zero = jnp.zeros((), jnp.float32)
+    if K % block_size == 0 and block_size % bk == 0:
+        # The tile lies inside one block of each row: one absmax per row, a vector load.
+        blocks_N = outs * (K // block_size) + (k_step * bk) // block_size
+        absmax = _compat.load(absmax_ref.at[blocks_N], mask=out_mask, other=zero)[:, None]
     else:
-        blocks = (outs[:, None] * K + 2 * pairs[None, :]) // block_size
-    absmax = _compat.load(absmax_ref.at[blocks], mask=mask, other=jnp.zeros((), jnp.float32))
+        # Each weight's own block (both weights of a byte share one: block_size is even).
+        if K % block_size == 0:
+            blocks = outs[:, None] * (K // block_size) + (2 * pairs[None, :]) // block_size
+        else:  # blocks straddle rows
+            blocks = (outs[:, None] * K + 2 * pairs[None, :]) // block_size
+        absmax = _compat.load(absmax_ref.at[blocks], mask=mask, other=zero)
     # fp32 NF4 * absmax, rounded once to c: nf4_dequantize's arithmetic.
     even = (_nf4_values(codes >> 4) * absmax).astype(dtype)
     odd = (_nf4_values(codes & 0xF) * absmax).astype(dtype)
@@ -319,7 +325,8 @@ def _check_arguments(x: Any, q: Any, dtype: Any) -> jnp.dtype:
             f"features), got x.shape={tuple(x.shape)} for q.shape={q.shape}"
         )
     c = float_dtype("dtype", dtype)
-    return jnp.dtype(x_dtype) if c is None else jnp.dtype(c)
+    # As jnp does: float64 is float32 unless x64 is enabled.
+    return jax.dtypes.canonicalize_dtype(x_dtype if c is None else c)
 
 
 def _choose_path(impl: str, interpret: bool, x: Any, q: NF4Tensor, c: jnp.dtype) -> str:
