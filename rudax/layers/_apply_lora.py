@@ -1,4 +1,4 @@
-"""apply_lora / merge_lora: LoRA on the Linear layers of any nnx model, chosen by module name."""
+"""apply_lora / merge_lora: LoRA or QLoRA on the Linear layers of any nnx model, by name."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from rudax._validation import check_bool
+from rudax.kernels import nf4_dequantize
 from rudax.layers._linear import Linear
 from rudax.layers._lora import Frozen, LoRALinear, LoRAParam
+from rudax.layers._nf4_linear import NF4Linear
 
 Path: TypeAlias = tuple[str | int, ...]
 
@@ -30,7 +33,9 @@ then neither adaptable nor saved). The default, ``names=None``, is
 model's loader supplies its mapping.
 """
 
-_LINEARS = (Linear, nnx.Linear)
+_LINEARS = (Linear, nnx.Linear, NF4Linear)  # what apply_lora adapts
+_DENSE = (Linear, nnx.Linear)  # what quantize_base and quantize_untargeted quantize
+_QUANTIZE_BASE = (None, "nf4")
 
 
 def default_names(path: Path) -> str:
@@ -186,7 +191,8 @@ def plan_lora(
     if wrong:
         raise TypeError(
             f"targets={targets!r} matches modules that are not a rudax.layers.Linear or "
-            f"flax.nnx.Linear: {wrong}; {_candidates_text(modules)}"
+            f"flax.nnx.Linear: {wrong} (nor a rudax.layers.NF4Linear); "
+            f"{_candidates_text(modules)}"
         )
     _check_not_shared(model, chosen)
     for m in chosen:
@@ -223,6 +229,38 @@ def _replace(model: nnx.Module, path: Path, new: Any) -> None:
         setattr(parent, key, new)
 
 
+def _plan_untargeted(model: nnx.Module, chosen: list[_Module]) -> list[Path]:
+    """The paths of the dense layers quantize_untargeted replaces, after every check.
+
+    Every ``Linear`` / ``nnx.Linear`` of the graph that is not a target and not inside a
+    ``LoRALinear`` (an adapted layer keeps its base), whether or not ``names`` names it. One
+    that is shared is refused, as a target would be: replacing it at one path would untie it.
+    """
+    nodes = [(_as_path(p), n) for p, n in nnx.iter_graph(model) if p != ()]
+    lora_paths = [p for p, n in nodes if isinstance(n, LoRALinear)]
+    targets = {m.path for m in chosen}
+    duplicates = [[_as_path(p) for p in paths] for paths in nnx.find_duplicates(model)]
+    found = []
+    for path, node in nodes:
+        if not isinstance(node, _DENSE) or path in targets:
+            continue
+        if any(path[: len(p)] == p for p in lora_paths):
+            continue
+        for paths in duplicates:
+            tied = [p for p in paths if p[: len(path)] == path and len(p) > len(path)]
+            if path in paths or tied:
+                shared = paths if path in paths else [p for p in paths if p not in tied]
+                raise ValueError(
+                    f"quantize_untargeted: the Linear at {_keystr(path)} "
+                    f"{'is reached by' if path in paths else 'has a variable tied to'} "
+                    f"{[_keystr(p) for p in shared]}; replacing it by an NF4Linear would untie "
+                    "them. Untie it first, or pass quantize_untargeted=False"
+                )
+        _check_replaceable(model, path)
+        found.append(path)
+    return found
+
+
 def apply_lora(
     model: nnx.Module,
     targets: str | Sequence[str],
@@ -234,11 +272,14 @@ def apply_lora(
     dtype: DTypeLike | None = None,
     param_dtype: DTypeLike = jnp.float32,
     names: ModuleNames | None = None,
+    quantize_base: str | None = None,
+    quantize_untargeted: bool = False,
     rngs: nnx.Rngs,
 ) -> list[str]:
     """Replaces, in place, each Linear layer whose name matches targets by a LoRALinear over it.
 
-    For every ``rudax.layers.Linear`` or ``flax.nnx.Linear`` ``W`` whose name matches::
+    For every ``rudax.layers.Linear``, ``flax.nnx.Linear`` or ``rudax.layers.NF4Linear`` ``W``
+    whose name matches::
 
         W  ->  LoRALinear(W, rank, alpha=alpha, ...):   y = W(x) + s * d(x) @ A @ B
 
@@ -257,9 +298,18 @@ def apply_lora(
     tied to another module) is refused rather than untied. A fresh A is drawn for each layer
     from ``rngs``'s ``params`` stream, in the order of the sorted names.
 
+    QLoRA: with ``quantize_base="nf4"`` each dense target is first quantized,
+    ``W -> NF4Linear.from_linear(W)`` (4-bit NormalFloat in 64-blocks of the ``[out, in]``
+    weight, double quantization, W's bias and compute dtype kept), and the adapter wraps
+    that; a target that is an ``NF4Linear`` already is wrapped as it is. With
+    ``quantize_untargeted=True`` every other dense layer of the graph (named or not, outside
+    the adapted layers) is replaced by its ``NF4Linear`` too. The dense layers' full-precision
+    kernels are then no longer referenced by the model.
+
     ``rudax.layers.to_dtype`` converts A and B with the rest (``LoRAParam`` is an
-    ``nnx.Param``); for a bf16 base under fp32 adapters, convert them back:
-    ``to_dtype(model, jnp.bfloat16)`` then ``to_dtype(model, jnp.float32, only=rl.LoRAParam)``.
+    ``nnx.Param``), and leaves NF4 storage (``rudax.layers.Quantized``) alone; for a bf16
+    base under fp32 adapters, convert them back: ``to_dtype(model, jnp.bfloat16)`` then
+    ``to_dtype(model, jnp.float32, only=rl.LoRAParam)``.
 
     Args:
       model: an ``nnx.Module``; modified in place.
@@ -267,12 +317,16 @@ def apply_lora(
       rank, alpha, dropout, scale_rule, dtype, param_dtype: ``rudax.layers.LoRALinear``'s,
         the same for every adapted layer.
       names: a ``ModuleNames`` function; None for the dotted nnx path.
+      quantize_base: None (bases as they are) or ``"nf4"``.
+      quantize_untargeted: also quantize the dense layers that are not targets (needs
+        ``quantize_base``).
       rngs: an ``nnx.Rngs`` (``params`` draws A, ``dropout`` the masks).
 
     Returns:
       The adapted names, sorted. Targets that match nothing, match a module that is not a
-      Linear or one that already has LoRA are errors naming the modules, raised before the
-      model is changed.
+      Linear or one that already has LoRA, a bad ``quantize_base`` and a layer that cannot be
+      quantized (a size not a multiple of 64) are errors naming them, raised before the model
+      is changed.
 
     Example:
       >>> import jax.numpy as jnp
@@ -288,17 +342,48 @@ def apply_lora(
       >>> rl.apply_lora(model, r"layers\\.1\\.up", rank=2, alpha=4.0, rngs=rngs)
       ['layers.1.up']
 
+      QLoRA, the untargeted layer quantized too:
+
+      >>> model = nnx.Dict(q_proj=rl.Linear(64, 64, rngs=rngs), up=rl.Linear(64, 128, rngs=rngs))
+      >>> rl.apply_lora(model, ["q_proj"], rank=2, alpha=4.0, quantize_base="nf4",
+      ...               quantize_untargeted=True, rngs=rngs)
+      ['q_proj']
+      >>> type(model["q_proj"].base).__name__, type(model["up"]).__name__
+      ('NF4Linear', 'NF4Linear')
+
     References:
       peft's ``LoraConfig.target_modules``,
-      https://huggingface.co/docs/peft/package_reference/lora.
+      https://huggingface.co/docs/peft/package_reference/lora. Dettmers et al., `QLoRA:
+      Efficient Finetuning of Quantized LLMs <https://arxiv.org/abs/2305.14314>`_, 2023.
     """
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}: {rngs=}")
+    if not (quantize_base is None or isinstance(quantize_base, str)) or (
+        quantize_base not in _QUANTIZE_BASE
+    ):
+        raise ValueError(f"quantize_base must be None or 'nf4', got {quantize_base=}")
+    check_bool("quantize_untargeted", quantize_untargeted, allow_numpy=False)
+    if quantize_untargeted and quantize_base is None:
+        raise ValueError(
+            "quantize_untargeted=True needs a format: pass quantize_base='nf4' too, got "
+            f"{quantize_base=}"
+        )
     chosen = plan_lora(model, targets, names)
-    # Every LoRALinear is built before any is put in place: its checks run first (a bad rank
-    # fails on the first layer, before its base is re-tagged), so an error changes nothing.
-    bases = [m.module for m in chosen if isinstance(m.module, Linear | nnx.Linear)]
-    assert len(bases) == len(chosen)  # plan_lora checked that each is a Linear
+    untargeted = _plan_untargeted(model, chosen) if quantize_untargeted else []
+    # Everything is built before anything is put in place: quantization first (a layer whose
+    # size does not divide into blocks fails here), then every LoRALinear (a bad rank fails on
+    # the first layer, before its base is re-tagged), so an error changes nothing.
+    bases: list[Linear | nnx.Linear | NF4Linear] = []
+    for m in chosen:
+        base = m.module
+        assert isinstance(base, _LINEARS)  # plan_lora checked it
+        if quantize_base == "nf4" and isinstance(base, _DENSE):
+            base = _quantized(base, m.name)
+        bases.append(base)
+    quantized = []
+    for path in untargeted:
+        dense = _node_at(model, path)
+        quantized.append(_quantized(dense, default_names(path)))
     built = [
         LoRALinear(
             base,
@@ -314,7 +399,16 @@ def apply_lora(
     ]
     for m, lora in zip(chosen, built, strict=True):
         _replace(model, m.path, lora)
+    for path, layer in zip(untargeted, quantized, strict=True):
+        _replace(model, path, layer)
     return [m.name for m in chosen]
+
+
+def _quantized(dense: Linear | nnx.Linear, name: str) -> NF4Linear:
+    try:
+        return NF4Linear.from_linear(dense)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"quantize_base='nf4': {name!r}: {e}") from e
 
 
 def lora_modules(model: nnx.Module, names: ModuleNames | None = None) -> list[_Module]:
@@ -334,6 +428,12 @@ def merge_lora(model: nnx.Module, *, names: ModuleNames | None = None) -> list[s
     variables re-tagged ``nnx.Param`` (trainable again, as peft's ``merge_and_unload`` leaves
     them). Dropout plays no part: the merged model computes the adapter's eval-mode output.
     Called outside ``jit``: it replaces modules.
+
+    An ``NF4Linear`` base (QLoRA) becomes a dense ``rudax.layers.Linear`` with ``kernel =
+    round(nf4_dequantize(W, f32).T + s * f32(A) @ f32(B))`` in the weight's original dtype
+    (``weight_dtype``), its bias and compute dtype. Merging back into 4 bits would round most
+    of the small update away; this is what peft's ``merge_and_unload`` on a bitsandbytes
+    4-bit layer computes too, before it quantizes again. Untargeted ``NF4Linear`` layers stay.
 
     Args:
       model: an ``nnx.Module`` holding LoRALinear layers; modified in place.
@@ -378,22 +478,45 @@ def merge_lora(model: nnx.Module, *, names: ModuleNames | None = None) -> list[s
     merged = []
     for (path, lora), paths in zip(found, holders, strict=True):
         base = lora.base
-        kernel = base.kernel.get_value()
         delta = jnp.matmul(
             lora.lora_a.get_value().astype(jnp.float32),
             lora.lora_b.get_value().astype(jnp.float32),
             precision=jax.lax.Precision.HIGHEST,
         )
-        new_kernel = (kernel.astype(jnp.float32) + lora.scale * delta).astype(kernel.dtype)
-        for attr, var in list(vars(base).items()):
-            if isinstance(var, Frozen):
-                value = new_kernel if attr == "kernel" else var.get_raw_value()
-                setattr(base, attr, nnx.Param.from_metadata(value, var.get_metadata()))
+        if isinstance(base, NF4Linear):
+            base = _merged_nf4(base, lora.scale * delta)
+        else:
+            kernel = base.kernel.get_value()
+            new_kernel = (kernel.astype(jnp.float32) + lora.scale * delta).astype(kernel.dtype)
+            for attr, var in list(vars(base).items()):
+                if isinstance(var, Frozen):
+                    value = new_kernel if attr == "kernel" else var.get_raw_value()
+                    setattr(base, attr, nnx.Param.from_metadata(value, var.get_metadata()))
         for p in paths:
             _replace(model, p, base)
         name = names(path)
         merged.append(name if isinstance(name, str) else default_names(path))
     return sorted(merged)
+
+
+def _merged_nf4(base: NF4Linear, delta: jax.Array) -> Linear:
+    """A dense Linear holding ``dequant(W).T + delta`` (fp32, rounded once), bias and dtype kept."""
+    kernel = nf4_dequantize(base.weight, jnp.float32).T + delta
+    # eval_shape builds the layer without drawing a kernel that is replaced at once.
+    layer = nnx.eval_shape(
+        lambda: Linear(
+            base.in_features,
+            base.out_features,
+            use_bias=base.bias is not None,
+            dtype=base.dtype,
+            param_dtype=base.weight_dtype,
+            rngs=nnx.Rngs(0),
+        )
+    )
+    layer.kernel = nnx.Param(kernel.astype(base.weight_dtype))
+    if base.bias is not None:
+        layer.bias = nnx.Param(base.bias.get_value())
+    return layer
 
 
 def lora_state(model: nnx.Module) -> nnx.State:
