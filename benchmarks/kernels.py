@@ -8,13 +8,17 @@ same minute:
 - silu_mul, forward + backward, on the same shape; each op also as its `*_reference` under
   plain autodiff, the baseline its speed ratios are taken against;
 - fused AdamW (`rudax.optim.fused_adamw`, clipping included) at 125M fp32 parameters, against
-  the unfused `chain(clip_by_global_norm, adamw)` it equals.
+  the unfused `chain(clip_by_global_norm, adamw)` it equals;
+- nf4_matmul, forward + backward (dx), x (tokens, in) bf16 times an NF4 weight (out, in)
+  (default 4096 tokens, 4096 x 4096), against its XLA path (dequantize, then dot) and a dense
+  bf16 weight's matmul (what the NF4 base replaces).
 
 On CPU only the XLA paths run (Pallas runs on CPU only in interpret mode, which measures
 Python, not a kernel). On GPU the Pallas paths run against their XLA fallbacks.
 
     python -m benchmarks.kernels                     # full sizes
-    python -m benchmarks.kernels --rows 1024 --features 1024 --adamw-params 4000000
+    python -m benchmarks.kernels --rows 1024 --features 1024 --adamw-params 4000000 \
+        --nf4-tokens 256 --nf4-features 1024
 """
 
 from __future__ import annotations
@@ -104,6 +108,33 @@ def adamw_arms(impls: list[str], n_params: int) -> dict:
     return {name: make(tx) for name, tx in txs.items()}
 
 
+def nf4_matmul_arms(impls: list[str], tokens: int, features: int, out_features: int) -> dict:
+    """Forward + backward (dx only: the NF4 base is frozen) of x @ W^T, W (out, in).
+
+    The weight is an argument of the jitted step, not a constant folded into it; each arm
+    dequantizes (or reads) it on every call, as a fine-tuning step does.
+    """
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (tokens, features), jnp.float32).astype(jnp.bfloat16)
+    w = (0.02 * jax.random.normal(kw, (out_features, features), jnp.float32)).astype(jnp.bfloat16)
+    q = rk.nf4_quantize(w)
+    dy = jnp.ones((tokens, out_features), jnp.bfloat16)
+
+    def fwd_bwd(op, weight):
+        def f(x, weight, dy):
+            y, vjp = jax.vjp(lambda x: op(x, weight), x)
+            return y, vjp(dy)
+
+        step = jax.jit(f)
+        return lambda: step(x, weight, dy)
+
+    arms = {"dense bf16 x @ W^T": fwd_bwd(lambda x, w: x @ w.T, w)}
+    for impl in impls:
+        op = lambda x, q, impl=impl: rk.nf4_matmul(x, q, impl=impl)
+        arms[f"nf4_matmul {impl}"] = fwd_bwd(op, q)
+    return arms
+
+
 def report(title: str, times: dict, bytes_per_call: dict, baseline: str, rows: list) -> None:
     copy_name = next(n for n in times if n.startswith("copy"))
     print(f"\n{title}")
@@ -135,6 +166,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--features", type=int, default=4096)
     parser.add_argument("--adamw-params", type=int, default=125_000_000)
+    parser.add_argument("--nf4-tokens", type=int, default=4096, help="rows of x for nf4_matmul")
+    parser.add_argument("--nf4-features", type=int, default=4096, help="in = out features")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json", help="also write the table rows to this file")
@@ -176,6 +209,24 @@ def main() -> None:
         times,
         bytes_per_call,
         "adamw unfused chain",
+        rows,
+    )
+
+    t, d = args.nf4_tokens, args.nf4_features
+    arms = nf4_matmul_arms(impls, t, d, d)
+    arms["copy (x + 1, in place)"] = copy_arm(t * d, jnp.bfloat16)
+    # Least traffic: the forward reads x and W, writes y; the backward reads dy and W, writes
+    # dx. W is 2 bytes a weight dense, 0.5 + 1/64 in NF4 (codes and the 8-bit absmax codes).
+    activations = 2 * 2 * (t * d + t * d)
+    bytes_per_call = {name: activations + 2 * (d * d // 2 + d * d // 64) for name in arms}
+    bytes_per_call["dense bf16 x @ W^T"] = activations + 2 * 2 * d * d
+    bytes_per_call["copy (x + 1, in place)"] = 2 * 2 * t * d
+    times = alternate(arms, rounds=args.rounds, iters=args.iters)
+    report(
+        f"nf4_matmul fwd+bwd(dx), x ({t}, {d}) bf16, W ({d}, {d}): {4 * t * d * d / 1e9:.3g} GFLOP",
+        times,
+        bytes_per_call,
+        "nf4_matmul xla",
         rows,
     )
 
