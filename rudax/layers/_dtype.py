@@ -30,8 +30,10 @@ def to_dtype(model: M, dtype: DTypeLike, *, only: filterlib.Filter = (nnx.Param,
     so the graph is unchanged: a variable shared by two modules (``TiedProjection`` and its
     ``Embedding``) is converted once and stays one object, a ``Frozen`` variable stays
     ``Frozen``, and references the caller holds to the model or its submodules see the new
-    dtype. Variables outside ``only`` (e.g. an fp32 ``nnx.BatchStat``) keep theirs. The
-    layers' compute ``dtype`` settings are not touched: storage and arithmetic stay separate.
+    dtype. Variables outside ``only`` keep theirs: an fp32 ``nnx.BatchStat``, and the
+    ``rudax.layers.Quantized`` storage of an ``NF4Linear`` (its uint8 codes and fp32 absmax
+    define the weight; cast, they would change it), which the default leaves out. The layers'
+    compute ``dtype`` settings are not touched: storage and arithmetic stay separate.
 
     This is for setting up and restoring models (cast a fp32-initialized model to bf16,
     load bf16 weights into fp32 for evaluation), not for use inside ``jit``, ``grad`` or
