@@ -313,12 +313,12 @@ def _check_arguments(x: Any, q: Any, dtype: Any) -> jnp.dtype:
         raise ValueError(
             f"q must hold a 2-D weight [N, K] (torch's [out, in]), got q.shape={q.shape}"
         )
-    x_dtype = getattr(x, "dtype", None)
-    if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(x_dtype, jnp.floating):
+    if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
             f"x must be a floating jax.Array or numpy array, got {type(x).__name__} with "
-            f"x.dtype={x_dtype}"
+            f"x.dtype={getattr(x, 'dtype', None)}"
         )
+    x_dtype = x.dtype
     if x.ndim < 1 or x.shape[-1] != q.shape[1]:
         raise ValueError(
             f"x.shape[-1] must equal q.shape[1] (K = {q.shape[1]}, the weight's input "

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -257,6 +258,32 @@ def test_weight_gets_a_zero_cotangent():
     assert grad_q.codes.dtype == grad_q.absmax_codes.dtype == jax.dtypes.float0
     for leaf in (grad_q.absmax_scales, grad_q.absmax_offset):
         assert leaf.dtype == jnp.float32 and not np.any(np.asarray(leaf))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_backward_saves_only_the_weight(impl, capsys):
+    """dx = dy @ W needs no activation: the residuals are q's own arrays (traced only)."""
+    q = _weight_and_q(40, 96)
+    x = _x((3, 96), jnp.bfloat16)
+    kw = dict(impl=impl, interpret=INTERPRET) if impl == "pallas" else dict(impl=impl)
+    print_saved_residuals(lambda x, q: rk.nf4_matmul(x, q, **kw).astype(jnp.float32).sum(), x, q)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert sorted(lines) == [
+        "f32[1] from the argument q.absmax_scales",
+        "f32[] from the argument q.absmax_offset",
+        "u8[1920] from the argument q.codes",
+        "u8[60] from the argument q.absmax_codes",
+    ], lines
+
+
+def test_autodiff_of_the_reference_would_fail_the_residual_check(capsys):
+    """The check above can fail: plain autodiff keeps x and the dequantized weight."""
+    q = _weight_and_q(40, 96)
+    x = _x((3, 96), jnp.bfloat16)
+    loss = lambda x, q: rk.nf4_matmul_reference(x, q).astype(jnp.float32).sum()
+    print_saved_residuals(loss, x, q)
+    out = capsys.readouterr().out
+    assert "bf16[3,96] from the argument x" in out and "bf16[40,96]" in out
 
 
 INTERPRETER_VMA = pytest.mark.xfail(
