@@ -372,6 +372,8 @@ def nf4_matmul(
 
     both accumulated in fp32 and rounded once to c. The weight is frozen: its cotangent is
     zero (float0 for the codes). The backward keeps no activation: ``dx`` needs only ``q``.
+    For a float32 c, both paths' dots follow ``jax_default_matmul_precision`` as any jnp dot
+    does (TF32 on recent GPUs by default; ``jax.default_matmul_precision("highest")`` for fp32).
 
     ``impl="xla"`` is the definition: ``nf4_dequantize`` then ``lax.dot_general`` in c
     (``nf4_matmul_reference``, under the same ``custom_vjp``). The Pallas kernels never write

@@ -36,6 +36,15 @@ UNIT_ROUNDOFF = {jnp.float32: 2.0**-24, jnp.bfloat16: 2.0**-8, jnp.float16: 2.0*
 NP_DTYPES = {jnp.float32: np.float32, jnp.bfloat16: ml_dtypes.bfloat16, jnp.float16: np.float16}
 
 
+@pytest.fixture(autouse=True)
+def _float32_dots():
+    """fp32 dots in true fp32 on a GPU too, where JAX's default is TF32 (in both paths, the
+    kernel's dot following jax_default_matmul_precision as XLA's does): the error bounds below
+    assume fp32 products. No effect on the CPU, and none on bf16 or fp16 operands."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @functools.cache
 def _weight_and_q(n, k, *, block_size=64, double_quant=True, seed=0):
     rng = np.random.default_rng(seed)
