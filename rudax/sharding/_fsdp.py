@@ -1,10 +1,10 @@
 """FSDP: rudax.layers modules whose parameters live as ShardedParameters, gathered when called.
 
 A sharded module keeps the original layer's ``nnx.GraphDef`` (its code and static settings)
-and, for each of its variables, a variable of the same type (``nnx.Param`` or
-``rudax.layers.Frozen``) holding a ``ShardedParameter``. Calling it inside ``shard_map``
-gathers every parameter, rebuilds the layer with ``nnx.merge`` and calls it: the arithmetic is
-the layer's own (kernels, dtypes, checks), never a second copy of it.
+and, for each of its variables, a variable of the same type (``nnx.Param``,
+``rudax.layers.Frozen`` or ``rudax.layers.Quantized``) holding a ``ShardedParameter``. Calling
+it inside ``shard_map`` gathers every parameter, rebuilds the layer with ``nnx.merge`` and
+calls it: the arithmetic is the layer's own (kernels, dtypes, checks), never a second copy.
 
 Tied parameters: the context remembers which sharded variable it made for each original
 variable, so a variable shared by two layers (``TiedProjection`` and its ``Embedding``) becomes
@@ -27,20 +27,22 @@ import rudax.layers as rl
 from rudax._validation import float_dtype
 from rudax.sharding._sharded_parameter import ShardedParameter, _axis_size
 
-_SHARDABLE = (nnx.Param, rl.Frozen)
+_SHARDABLE = (nnx.Param, rl.Frozen, rl.Quantized)
 
 
 class ShardedModule(nnx.Module):
     """A layer whose parameters are sharded; calling it inside ``shard_map`` gathers them.
 
-    ``y = layer(x)`` with every parameter replaced by ``p.gather(compute_dtype)``: built by
-    ``ShardingContext``, not directly.
+    ``y = layer(x)`` with every parameter replaced by ``p.gather(compute_dtype)`` (a
+    ``rudax.layers.Quantized`` one by ``p.gather()``: its bits are the weight, never cast):
+    built by ``ShardingContext``, not directly.
 
     Args:
       graphdef: the original layer's graph definition.
       paths: each variable's path in the layer's state, in the order of ``variables``.
       variables: the sharded variables (values are ``ShardedParameter``).
-      compute_dtype: dtype the parameters are cast to before the gather; None keeps storage.
+      compute_dtype: dtype the floating Params and Frozen are cast to before the gather; None
+        keeps storage.
 
     Returns:
       A module; ``module(*args, **kwargs)`` returns what the layer returns.
@@ -61,7 +63,7 @@ class ShardedModule(nnx.Module):
     def gathered(self) -> nnx.Module:
         """The original layer with its logical parameter values (inside ``shard_map``)."""
         flat = [
-            (path, type(var)(var.get_value().gather(self.compute_dtype)))
+            (path, type(var)(var.get_value().gather(_gather_dtype(var, self.compute_dtype))))
             for path, var in zip(self.paths, self.variables, strict=True)
         ]
         return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
@@ -73,17 +75,20 @@ class ShardedModule(nnx.Module):
 class ShardingContext:
     """Converts loaded ``rudax.layers`` modules to FSDP modules sharded over one mesh axis.
 
-    Every floating ``nnx.Param`` and ``rudax.layers.Frozen`` of a converted layer becomes a
-    ``ShardedParameter`` (flat, padded, 1/N per device) inside a variable of the same type, so
-    ``nnx.split(model, nnx.Param, ...)`` still separates trainable from frozen parameters. A
-    train step runs the model inside ``jax.shard_map`` with ``in_specs=P(axis_name)`` for the
-    parameter state (every leaf is a flat vector split on its only axis); the gradients that
-    come out are already the reduce-scattered gradients of the sum of the ranks' local losses,
-    sharded like the parameters, ready for an elementwise ``rudax.optim`` optimizer.
+    Every floating ``nnx.Param`` and ``rudax.layers.Frozen`` of a converted layer, and every
+    ``rudax.layers.Quantized`` array (an ``NF4Linear``'s uint8 codes, fp32 absmax and scalar
+    offset: FSDP-QLoRA's packed base), becomes a ``ShardedParameter`` (flat, padded, 1/N per
+    device) inside a variable of the same type, so ``nnx.split(model, nnx.Param, ...)`` still
+    separates trainable from frozen parameters. A train step runs the model inside
+    ``jax.shard_map`` with ``in_specs=P(axis_name)`` for the parameter state (every leaf is a
+    flat vector split on its only axis); the gradients that come out are already the
+    reduce-scattered gradients of the sum of the ranks' local losses, sharded like the
+    parameters, ready for an elementwise ``rudax.optim`` optimizer.
 
     ``compute_dtype`` (keyword on every method) casts parameters before the gather, so the
     all-gather and the gradient's reduce-scatter run in that dtype; storage is unchanged and
-    the layer computes as it would with parameters stored in that dtype.
+    the layer computes as it would with parameters stored in that dtype. ``Quantized`` storage
+    is gathered as it is stored, whatever ``compute_dtype`` says: its bits are the weight.
 
     Ties are recognised by identity, so the context keeps a reference to every variable it
     converted: drop it (and the original modules) once the model is built, to free the full
@@ -121,12 +126,18 @@ class ShardingContext:
         self._converted: dict[int, tuple[nnx.Variable, nnx.Variable]] = {}
 
     def parameter(self, p: nnx.Variable) -> nnx.Variable:
-        """p's value as a ``ShardedParameter`` in a variable of p's type; one per p (ties kept)."""
+        """p's value as a ``ShardedParameter`` in a variable of p's type; one per p (ties kept).
+
+        A ``Param`` or ``Frozen`` must hold a floating array; a ``Quantized`` one any array
+        (its codes are uint8).
+        """
         if not isinstance(p, _SHARDABLE):
-            raise TypeError(f"p must be an nnx.Param or rudax.layers.Frozen, got {p!r}")
+            raise TypeError(
+                f"p must be an nnx.Param, rudax.layers.Frozen or rudax.layers.Quantized, got {p!r}"
+            )
         value = p.get_value()
-        if not isinstance(value, jax.Array | np.ndarray) or not jnp.issubdtype(
-            value.dtype, jnp.floating
+        if not isinstance(value, jax.Array | np.ndarray) or not (
+            isinstance(p, rl.Quantized) or jnp.issubdtype(value.dtype, jnp.floating)
         ):
             raise TypeError(f"p must hold a floating array, got {type(p).__name__}({value!r})")
         seen = self._converted.get(id(p))
@@ -150,7 +161,10 @@ class ShardingContext:
         return sharded
 
     def module(self, layer: nnx.Module, *, compute_dtype: DTypeLike | None = None) -> ShardedModule:
-        """Any ``nnx.Module`` whose variables are all floating Params or Frozen, sharded."""
+        """Any ``nnx.Module`` whose variables are all floating Params or Frozen, or Quantized.
+
+        An ``NF4Linear``, or a ``LoRALinear`` over one (QLoRA), included.
+        """
         if not isinstance(layer, nnx.Module):
             raise TypeError(f"layer must be an nnx.Module, got {type(layer).__name__}")
         compute_dtype = float_dtype("compute_dtype", compute_dtype)
@@ -161,7 +175,8 @@ class ShardingContext:
             if not isinstance(var, _SHARDABLE):
                 raise ValueError(
                     f"{type(layer).__name__}: variable {_keystr(path)} is a "
-                    f"{type(var).__name__}; only nnx.Param and rudax.layers.Frozen are sharded"
+                    f"{type(var).__name__}; only nnx.Param and rudax.layers.Frozen are sharded "
+                    "(and an NF4Linear's rudax.layers.Quantized storage)"
                 )
             paths.append(path)
             variables.append(self.parameter(var))
@@ -213,8 +228,16 @@ class ShardingContext:
     def lora(
         self, lora_linear: rl.LoRALinear, *, compute_dtype: DTypeLike | None = None
     ) -> ShardedModule:
-        """A sharded ``rudax.layers.LoRALinear``: frozen base and trainable adapter both sharded."""
+        """A sharded ``rudax.layers.LoRALinear``: frozen base and trainable adapter both sharded.
+
+        The base may be an ``NF4Linear`` (QLoRA): its packed storage is sharded as it is.
+        """
         return self._typed("lora_linear", lora_linear, rl.LoRALinear, compute_dtype)
+
+
+def _gather_dtype(var: nnx.Variable, compute_dtype: DTypeLike | None) -> DTypeLike | None:
+    """The dtype a variable is gathered in: quantized storage never takes the compute dtype."""
+    return None if isinstance(var, rl.Quantized) else compute_dtype
 
 
 def _keystr(path: tuple[Any, ...]) -> str:
