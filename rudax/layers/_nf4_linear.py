@@ -16,9 +16,6 @@ from rudax.layers._linear import Linear
 from rudax.layers._lora import Frozen
 from rudax.layers._validation import check_features
 
-# The NF4Tensor fields stored as variables, in NF4Tensor's order; unused ones are None.
-_FIELDS = ("codes", "absmax", "absmax_codes", "absmax_scales", "absmax_offset")
-
 
 class Quantized(nnx.Variable):
     """Quantized storage (codes, scales) kept bit for bit: never trained, never cast.
@@ -129,17 +126,22 @@ class NF4Linear(nnx.Module):
         self.out_features = out_features
         self.weight_dtype = jnp.dtype(weight.dtype)
         self.block_size = weight.block_size
-        for name in _FIELDS:
-            value = getattr(weight, name)
-            setattr(self, name, None if value is None else Quantized(value))
+        self.codes = Quantized(weight.codes)
+        self.absmax = _quantized(weight.absmax)
+        self.absmax_codes = _quantized(weight.absmax_codes)
+        self.absmax_scales = _quantized(weight.absmax_scales)
+        self.absmax_offset = _quantized(weight.absmax_offset)
         self.bias = None if bias is None else Frozen(bias)
 
     @property
     def weight(self) -> NF4Tensor:
         """The ``NF4Tensor`` the variables hold, shape ``(out_features, in_features)``."""
-        values = [None if getattr(self, n) is None else getattr(self, n)[...] for n in _FIELDS]
         return NF4Tensor(
-            *values,
+            self.codes[...],
+            _array(self.absmax),
+            _array(self.absmax_codes),
+            _array(self.absmax_scales),
+            _array(self.absmax_offset),
             shape=(self.out_features, self.in_features),
             dtype=self.weight_dtype,
             block_size=self.block_size,
@@ -206,6 +208,15 @@ class NF4Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y
+
+
+def _quantized(value: jax.Array | None) -> Quantized | None:
+    """An NF4Tensor field as a variable; an unused field (None) stays None."""
+    return None if value is None else Quantized(value)
+
+
+def _array(var: Quantized | None) -> jax.Array | None:
+    return None if var is None else var[...]
 
 
 def _value(var: Any) -> jax.Array:
