@@ -42,7 +42,8 @@ from rudax.kernels._nf4 import NF4_CODE, NF4Tensor, _absmax, nf4_dequantize
 # The kernel computes flat absmax indices (n * K + k) // block_size in int32 when a block may
 # straddle rows; past this many weights that overflows, and such a weight runs the XLA path.
 _MAX_STRADDLING_WEIGHTS = 2**31 - 1
-# Compute dtypes the kernel takes (Triton's dot: fp16 and bf16 on tensor cores, fp32 as IEEE).
+# Compute dtypes the kernel takes (Triton's dot: fp16 and bf16 on tensor cores, fp32 at the
+# precision jax_default_matmul_precision asks for, TF32 by default).
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Triton's dot needs every tile dimension to be at least 16.
 _MIN_TILE = 16
@@ -66,10 +67,11 @@ class NF4MatmulBlock:
       num_stages: Triton's software-pipelining stages of the loop over the contraction.
     """
 
-    # The usual shape of a Triton fp16 matmul tile. Not tuned on a GPU yet: the select tree
-    # costs ALU work per weight per M tile, so a larger block_m amortises it further;
-    # benchmarks/kernels.py is where to tune it.
-    block_m: int = 64
+    # A usual Triton fp16 matmul tile, with the taller M side: each program dequantizes its
+    # weight tiles itself (some 25 shifts, compares and selects a weight), so W is dequantized
+    # M / block_m times a pass, and a taller block_m amortises that over more rows of x. Not
+    # tuned on a GPU yet; benchmarks/kernels.py is where to tune it.
+    block_m: int = 128
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
