@@ -38,7 +38,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import rudax.checkpoint as rc
+import rudax.kernels as rk
 import rudax.layers as rl
 import rudax.sharding as rs
 from examples.lm.attention import CausalSelfAttention, rope_frequencies
@@ -174,7 +175,14 @@ def _open_tensors(directory: Path) -> Iterator[dict[str, Any]]:
         yield where
 
 
-def load_hf(directory: str | os.PathLike, *, param_dtype: Any = None, dtype: Any = None) -> GPT:
+def load_hf(
+    directory: str | os.PathLike,
+    *,
+    param_dtype: Any = None,
+    dtype: Any = None,
+    quantize: str | None = None,
+    on_tensor: Callable[[str, np.ndarray], None] | None = None,
+) -> GPT:
     """A ``GPT`` holding a Hugging Face ``LlamaForCausalLM`` (or Qwen2) checkpoint's weights.
 
     The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and each
@@ -183,6 +191,15 @@ def load_hf(directory: str | os.PathLike, *, param_dtype: Any = None, dtype: Any
     file. The GPT has separate q/k/v projections (``fused_qkv=False``), in which LoRA on one
     of them is exact, and computes what transformers' model computes (same RMSNorm, RoPE,
     GQA; RoPE's angles are more exact here, in float64).
+
+    ``quantize="nf4"`` makes every attention and MLP projection a ``rudax.layers.NF4Linear``
+    as it is read: the ``[out, in]`` tensor, in ``param_dtype``, goes through
+    ``rudax.kernels.nf4_quantize`` (double quantization, blocks of 64; the codes
+    ``transformers`` with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True)`` makes) a chunk at a time, so that beside the model
+    being built the host holds the tensor just read, its ``param_dtype`` copy when that
+    differs, and one chunk; the whole model in ``param_dtype`` never exists. The embedding,
+    the norms and an untied head stay in ``param_dtype`` (as bitsandbytes leaves them).
 
     ``lm_head.weight`` in a tied checkpoint must equal the embedding; RoPE ``inv_freq``
     buffers (older checkpoints) must equal this model's frequencies. Any other tensor the
@@ -193,6 +210,9 @@ def load_hf(directory: str | os.PathLike, *, param_dtype: Any = None, dtype: Any
         shards of ``model.safetensors.index.json``).
       param_dtype: storage dtype (bf16, fp16, fp32); None for the checkpoint's.
       dtype: compute dtype; None for ``param_dtype``.
+      quantize: None, or ``"nf4"`` for the projections as above.
+      on_tensor: called as ``on_tensor(name, array)`` with each tensor the model takes, as
+        read (before any cast), in a fixed order: e.g. to hash the base a run was tuned on.
 
     Returns:
       The ``GPT``; ``model.config`` is its ``GPTConfig``.
@@ -217,12 +237,17 @@ def load_hf(directory: str | os.PathLike, *, param_dtype: Any = None, dtype: Any
       True
     """
     directory = Path(directory)
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize=}")
     config = config_from_hf(_read_json(directory / CONFIG), param_dtype=param_dtype, dtype=dtype)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
     wanted = {}
     for path, var in nnx.to_flat_state(state):
         name, transposed = _tensor_name(path)
         wanted[name] = (path, var, transposed)
+    # Projections to quantize: module path -> the names of its weight and (Qwen2) bias.
+    packed = {} if quantize is None else _projections(wanted)
+    quantized: dict[tuple[Any, ...], dict[str, Any]] = {path: {} for path in packed}
     with _open_tensors(directory) as files:
         missing = [name for name in wanted if name not in files]
         if missing:
@@ -242,9 +267,55 @@ def load_hf(directory: str | os.PathLike, *, param_dtype: Any = None, dtype: Any
                 )
             if not jnp.issubdtype(tensor.dtype, jnp.floating):  # NumPy: not bf16
                 raise ValueError(f"{directory}: {name} has dtype {tensor.dtype}, not floating")
-            var.set_value(jnp.asarray(tensor.T if transposed else tensor, config.param_dtype))
+            if on_tensor is not None:
+                on_tensor(name, tensor)
+            if path[:-1] in packed:
+                quantized[path[:-1]][path[-1]] = _quantized(tensor, path, config.param_dtype)
+            else:
+                var.set_value(jnp.asarray(tensor.T if transposed else tensor, config.param_dtype))
             del tensor
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    for path, parts in quantized.items():
+        linear = _module_at(model, path)
+        layer = rl.NF4Linear(parts["kernel"], parts.get("bias"), dtype=linear.dtype)
+        setattr(_module_at(model, path[:-1]), path[-1], layer)
+    return model
+
+
+# Quantization formats load_hf takes.
+QUANTIZE = (None, "nf4")
+# Elements quantized per step: the fp32 working copy of a chunk is 16 MiB.
+_QUANTIZE_CHUNK = 2**22
+
+
+def _projections(wanted: dict[str, Any]) -> set[tuple[Any, ...]]:
+    """The module paths of the blocks' attention and MLP projections (rudax Linear layers)."""
+    return {
+        path[:-1]
+        for path, _, _ in wanted.values()
+        if len(path) == 5
+        and path[0] == "blocks"
+        and path[2] in ("attn", "mlp")
+        and (path[3] in _ATTN or path[3] in _MLP)
+        and path[4] == "kernel"
+    }
+
+
+def _quantized(tensor: np.ndarray, path: tuple[Any, ...], param_dtype: Any) -> Any:
+    """A projection's weight as an NF4Tensor of its [out, in] layout; a bias in param_dtype."""
+    if path[-1] == "bias":
+        return jnp.asarray(tensor, param_dtype)
+    # Rounded to param_dtype first (on the host, round to nearest even as XLA does), as
+    # transformers loads a checkpoint in torch_dtype before bitsandbytes quantizes it.
+    tensor = tensor.astype(param_dtype, copy=False)
+    return rk.nf4_quantize(tensor, chunk_size=_QUANTIZE_CHUNK)
+
+
+def _module_at(model: nnx.Module, path: tuple[Any, ...]) -> Any:
+    node: Any = model
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
 
 
 _INV_FREQ = re.compile(r"model\.layers\.(\d+)\.self_attn\.rotary_emb\.inv_freq")

@@ -1,0 +1,186 @@
+"""load_hf(quantize="nf4"): a checkpoint's projections quantized while read, against
+bitsandbytes' codes and transformers' logits; and the host memory streaming takes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import bitsandbytes.functional as bnbf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import rudax.kernels as rk
+import rudax.layers as rl
+from examples.lm.hf import load_hf
+from tests.lm.test_hf import BASE, _hf_model, _ours, _rel_err, _theirs
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _hf_linear(hf_model, i, proj):
+    layer = hf_model.model.layers[i]
+    return getattr(
+        layer.self_attn if proj.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp,
+        proj,
+    )
+
+
+def _our_linear(model, i, proj):
+    names = {
+        "q_proj": ("attn", "q"),
+        "k_proj": ("attn", "k"),
+        "v_proj": ("attn", "v"),
+        "o_proj": ("attn", "out"),
+        "gate_proj": ("mlp", "gate"),
+        "up_proj": ("mlp", "up"),
+        "down_proj": ("mlp", "down"),
+    }
+    part, name = names[proj]
+    return getattr(getattr(model.blocks[i], part), name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_projections_hold_bitsandbytes_codes_and_logits_match_transformers(tmp_path, kind):
+    hf_model = _hf_model(kind, num_key_value_heads=2).to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path)
+    # fp32 storage of the bf16 checkpoint (exact), so the only difference from transformers'
+    # fp32 model is the arithmetic's rounding; bitsandbytes quantizes bf16 weights in fp32.
+    model = load_hf(tmp_path, param_dtype=jnp.float32, dtype=jnp.float32, quantize="nf4")
+    # transformers' own model of the checkpoint, in fp32 (bf16 -> fp32 is exact).
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for i in range(BASE["num_hidden_layers"]):
+        for proj in PROJECTIONS:
+            ours = _our_linear(model, i, proj)
+            assert isinstance(ours, rl.NF4Linear), (i, proj)
+            weight = _hf_linear(hf_model, i, proj).weight.detach()  # [out, in], bf16
+            codes, _ = bnbf.quantize_4bit(
+                weight, blocksize=64, quant_type="nf4", compress_statistics=True
+            )
+            q = ours.weight
+            assert q.shape == tuple(weight.shape) and q.dtype == jnp.float32
+            np.testing.assert_array_equal(
+                np.asarray(q.codes), codes.numpy().reshape(-1), err_msg=f"{i} {proj}"
+            )
+            # The dequantized weight goes into transformers' model: its logits are the
+            # reference for ours on the quantized base.
+            with torch.no_grad():
+                w = np.asarray(rk.nf4_dequantize(q, jnp.float32))
+                _hf_linear(reference, i, proj).weight.copy_(torch.from_numpy(w))
+    # The rest is stored in param_dtype, as read.
+    emb = hf_model.model.embed_tokens.weight.detach().float().numpy()
+    np.testing.assert_array_equal(np.asarray(model.embed.embedding[...], np.float32), emb)
+    assert _rel_err(_ours(model), _theirs(reference)) < 2e-5
+
+
+def test_on_tensor_sees_every_tensor_once_as_read(tmp_path):
+    hf_model = _hf_model("llama", num_key_value_heads=2, tie_word_embeddings=False)
+    hf_model.save_pretrained(tmp_path)
+    seen = {}
+    model = load_hf(
+        tmp_path,
+        param_dtype=jnp.bfloat16,
+        quantize="nf4",
+        on_tensor=lambda n, t: seen.setdefault(n, t.copy()),
+    )
+    assert model.blocks[0].mlp.up.weight.dtype == jnp.bfloat16  # the NF4 weight's dtype
+    assert model.embed.embedding.dtype == jnp.bfloat16
+    state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    assert sorted(seen) == sorted(state)
+    for name, tensor in seen.items():
+        np.testing.assert_array_equal(tensor, state[name], err_msg=name)
+
+
+def test_quantize_is_checked(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"quantize must be one of \(None, 'nf4'\), got quantize='int8'"
+    ):
+        load_hf(tmp_path, quantize="int8")
+
+
+# Peak host memory of a streamed load, in a fresh process. The first load compiles; the
+# second is the steady state every later load has, measured from where the first left the
+# process. safetensors maps the files, and the pages read count in the resident size as
+# file-backed memory (page cache the kernel can drop at any time), so the bound is on the
+# anonymous memory (RssAnon, what the process itself allocated), sampled every millisecond;
+# the total high-water mark (VmHWM, from a reset) is reported beside it.
+_MEASURE = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import jax, jax.numpy as jnp
+    from flax import nnx
+    from examples.lm.hf import load_hf
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    directory = sys.argv[1]
+    model = load_hf(directory, param_dtype=jnp.bfloat16, quantize="nf4")
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    import rudax.layers as rl
+    quantized_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, rl.Quantized)))
+    del model
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], status("RssAnon"))
+            time.sleep(0.001)
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    anon_before, rss_before = status("RssAnon"), status("VmRSS")
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    model = load_hf(directory, param_dtype=jnp.bfloat16, quantize="nf4")
+    done.set()
+    sampler.join()
+    print(json.dumps({
+        "model_bytes": model_bytes,
+        "quantized_bytes": quantized_bytes,
+        "anon_peak_over_start": max(peak[0], status("RssAnon")) - anon_before,
+        "rss_peak_over_start": status("VmHWM") - rss_before,
+    }))
+    """
+)
+
+
+def test_streamed_nf4_load_stays_within_the_model_plus_twice_the_largest_tensor(tmp_path):
+    from examples.finetune.synthetic import write_random_llama
+    from examples.lm.model import GPTConfig
+
+    # 25M parameters (51 MB in bf16); the largest tensors are the 8192 x 512 embedding and head.
+    config = GPTConfig(
+        vocab_size=8192,
+        seq_len=64,
+        d_model=512,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=2,
+        tie_embeddings=False,
+        fused_qkv=False,
+    )
+    info = write_random_llama(tmp_path / "base", config)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(tmp_path / "base")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    bound = measured["model_bytes"] + 2 * info["largest_tensor_bytes"]
+    assert measured["anon_peak_over_start"] <= bound, (measured, info, bound)
+    # And it is the saving QLoRA promises: per 64 weights 32 bytes of codes and one absmax
+    # code, per 16384 one fp32 scale: 0.258 of the projections' bf16 bytes.
+    c = config
+    norms = (2 * c.n_layers + 1) * c.d_model
+    projections_bf16 = 2 * (info["parameters"] - 2 * c.vocab_size * c.d_model - norms)
+    assert measured["quantized_bytes"] <= 0.27 * projections_bf16, (measured, projections_bf16)
