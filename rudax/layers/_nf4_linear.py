@@ -110,6 +110,13 @@ class NF4Linear(nnx.Module):
                 f"weight must be a 2-D [out, in] NF4Tensor, got weight.shape={weight.shape}"
             )
         out_features, in_features = weight.shape
+        codes_shape = tuple(getattr(weight.codes, "shape", ()))
+        n_bytes = out_features * in_features // 2
+        if codes_shape != (n_bytes,):
+            raise ValueError(
+                f"weight.codes must hold two codes a byte, shape ({n_bytes},) for "
+                f"weight.shape={weight.shape}, got weight.codes.shape={codes_shape}"
+            )
         if bias is not None:
             bias = jnp.asarray(bias)
             if not jnp.issubdtype(bias.dtype, jnp.floating):

@@ -2,6 +2,8 @@
 xla path's definition; from_linear's weight against nf4_quantize and bitsandbytes; its storage.
 """
 
+import dataclasses
+
 import bitsandbytes.functional as bnbf
 import jax
 import jax.numpy as jnp
@@ -197,6 +199,12 @@ def _q(shape=(OUT, IN)):
     [
         (lambda: rl.NF4Linear(jnp.ones((OUT, IN))), TypeError, r"weight must be a rudax\.kernels"),
         (lambda: rl.NF4Linear(_q((64,))), ValueError, r"2-D \[out, in\].*shape=\(64,\)"),
+        (
+            lambda: rl.NF4Linear(dataclasses.replace(_q(), codes=jnp.zeros(8, jnp.uint8))),
+            ValueError,
+            r"weight\.codes must hold two codes a byte, shape \(1536,\) for "
+            r"weight\.shape=\(32, 96\), got weight\.codes\.shape=\(8,\)",
+        ),
         (lambda: rl.NF4Linear(_q(), jnp.ones(IN)), ValueError, r"bias must have shape \(32,\)"),
         (lambda: rl.NF4Linear(_q(), jnp.ones(OUT, jnp.int32)), TypeError, r"bias must be floating"),
         (lambda: rl.NF4Linear(_q(), dtype=jnp.int8), TypeError, r"dtype must be a floating"),
@@ -242,6 +250,7 @@ def _q(shape=(OUT, IN)):
     ids=[
         "weight-array",
         "weight-1d",
+        "weight-codes",
         "bias-shape",
         "bias-int",
         "dtype-int",
