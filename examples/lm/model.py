@@ -580,7 +580,7 @@ def _check_batch(batch: Any) -> tuple[jax.Array, ...]:
     for key in BATCH_KEYS:
         try:
             value = jnp.asarray(batch[key])
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise TypeError(f"batch[{key!r}] must be an integer array, got {batch[key]!r}") from e
         if not jnp.issubdtype(value.dtype, jnp.integer):
             raise TypeError(
