@@ -98,7 +98,8 @@ def test_each_packed_example_has_the_logits_it_has_alone(name):
     alone_a, alone_b = np.asarray(_plain(model, np.stack([a, b])))  # rows never interact
     scale = max(np.abs(alone_a).max(), np.abs(alone_b).max())
     # The same arithmetic per example up to summation order (other matmul and softmax
-    # lengths; the masked keys add exact zeros): 1e-6 of the largest logit is ~8 fp32 ulps.
+    # lengths; the masked keys add exact zeros): 1e-6 of the largest logit is ~8 fp32 ulps
+    # of it (measured on CPU: <= 2.2e-7, under 2 ulps).
     for row, (first, second) in enumerate([(alone_a, alone_b), (alone_b, alone_a)]):
         n = len(first)
         np.testing.assert_allclose(got[row, :n], first, rtol=0, atol=1e-6 * scale)
