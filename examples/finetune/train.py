@@ -1,0 +1,503 @@
+"""QLoRA (or LoRA) fine-tuning of a Hugging Face Llama directory on JSONL; a PEFT adapter out.
+
+    python -m examples.lm.train --name base              # the README's main job, then:
+    python -m examples.finetune                          # QLoRA on it: a PEFT adapter out
+    python -m examples.finetune --base <HF dir> --data train.jsonl --val-data val.jsonl
+    python -m examples.finetune --name a --stop-at 20    # ... later, in a fresh process:
+    python -m examples.finetune --name a --resume        # continues bit for bit
+
+With no ``--base`` it tunes ``hf/base``, exporting ``runs/base`` (the main job's run) there
+first if need be; with no ``--data``, a prompt/completion set made from the standard
+library's docstrings (``examples/finetune/instructions.py``, written once into
+``data/instructions``). Nothing is downloaded.
+
+The run, top to bottom:
+
+- data: ``examples/finetune/data.py`` tokenizes the JSONL with the base's ``tokenizer.json``;
+  only completion (assistant) tokens are labelled, the rest -100; rows packed (or padded)
+  with segment ids, so examples in one row do not see each other. Batch ``i`` depends on the
+  file, the seed and ``i`` only: the data position is the update count.
+- model: ``examples.lm.hf.load_hf`` reads the base tensor by tensor, with ``--quantize nf4``
+  quantizing each attention and MLP projection as it is read (``rudax.layers.NF4Linear``);
+  ``rudax.layers.apply_lora`` puts rank ``--rank`` adapters on ``--targets`` (fp32). The
+  base's identity is the SHA-256 of every tensor read (name, dtype, shape, bytes).
+- step: ``labelled_loss_sum`` (``rudax.kernels.linear_cross_entropy`` over the full
+  vocabulary, a chunk of tokens at a time), gradients for the adapters only
+  (``rudax.layers.LoRAParam``), accumulated over ``--grad-accum`` microbatches weighted by
+  their counted tokens (``rudax.optim.GradientAccumulator``), then global-norm clipping and
+  AdamW (weight decay 0) with warmup + cosine decay.
+- checkpoint: every ``--checkpoint-every`` updates, the adapters, the dropout RNG, the
+  optimizer (with the schedule's count) and the accumulator, with the run's configuration,
+  the base's digest and the data's identity (``rudax.checkpoint``). ``--resume`` refuses
+  another base or other data, and continues exactly.
+- output: ``RUN/metrics.jsonl``, ``RUN/loss.png``, and ``--export`` (default ``RUN/adapter``):
+  ``adapter_config.json`` + ``adapter_model.safetensors``, which
+  ``peft.PeftModel.from_pretrained`` loads on transformers' model of the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+import rudax.checkpoint as rc
+import rudax.layers as rl
+import rudax.optim as ro
+from examples.finetune import instructions
+from examples.finetune.data import FinetuneData, load_tokenizer
+from examples.finetune.template import DataError
+from examples.lm import guard, hf_init
+from examples.lm.config import UsageError, _HelpFormatter
+from examples.lm.guard import TrainingHalted
+from examples.lm.hf import export, hf_module_name, load_hf
+from examples.lm.host_memory import retain_freed_memory
+from examples.lm.model import labelled_loss_sum
+from examples.lm.report import MetricsLog, plot_losses, read_rows
+
+DEFAULT_BASE, DEFAULT_BASE_RUN = Path("hf/base"), Path("runs/base")
+DEFAULT_DATA = Path("data/instructions")
+# peft's names of a Llama's attention and MLP projections: QLoRA adapts all of them.
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Flags that may change between the sessions of one run; every other one is the run's.
+SESSION_FLAGS = ("resume", "stop_at", "export", "name", "runs_dir", "run_dir")
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; ``--help`` lists every flag with its default."""
+    p = argparse.ArgumentParser(
+        prog="python -m examples.finetune",
+        description="QLoRA / LoRA fine-tuning of a Hugging Face Llama directory on JSONL.",
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,
+    )
+    run = p.add_argument_group("run (session flags)")
+    run.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
+    run.add_argument("--name", help="run directory name (default: finetune-<timestamp>)")
+    run.add_argument("--run-dir", help="the run directory itself (overrides --runs-dir/--name)")
+    run.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
+    run.add_argument("--stop-at", type=int, help="stop after this update, as an interruption would")
+    run.add_argument("--export", help="the PEFT adapter's directory (default: RUN/adapter)")
+    base = p.add_argument_group("base and data (run flags)")
+    base.add_argument("--base", help=f"the HF directory (default: {DEFAULT_BASE})")
+    base.add_argument("--data", help="training JSONL (default: the standard library set)")
+    base.add_argument("--val-data", help="validation JSONL (default: the set's val.jsonl)")
+    base.add_argument("--seq-len", type=int, default=256, help="tokens per row")
+    base.add_argument("--no-pack", dest="pack", action="store_false", help="one example per row")
+    base.add_argument(
+        "--too-long",
+        choices=("error", "drop"),
+        help="an example longer than --seq-len (default: error; drop for the generated set)",
+    )
+    base.add_argument("--seed", type=int, default=0, help="adapter init, dropout, data order")
+    model = p.add_argument_group("model (run flags)")
+    model.add_argument("--quantize", choices=("nf4", "none"), default="nf4", help="the base")
+    model.add_argument(
+        "--param-dtype", choices=sorted(DTYPES), default="bfloat16", help="unquantized storage"
+    )
+    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
+    model.add_argument(
+        "--targets",
+        type=lambda s: [t.strip() for t in s.split(",")],
+        default=list(ALL_PROJECTIONS),
+        help="comma-separated module names to adapt (peft's target_modules)",
+    )
+    model.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    model.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha/rank)")
+    model.add_argument("--dropout", type=float, default=0.05, help="dropout on adapter inputs")
+    opt = p.add_argument_group("optimizer and loop (run flags)")
+    opt.add_argument("--steps", type=int, default=40, help="optimizer updates")
+    opt.add_argument("--batch-size", type=int, default=8, help="rows per microbatch")
+    opt.add_argument("--grad-accum", type=int, default=1, help="microbatches per update")
+    opt.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    opt.add_argument("--warmup", type=int, default=4, help="linear warmup updates")
+    opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine's end / peak")
+    opt.add_argument("--clip", type=float, default=1.0, help="global gradient norm")
+    opt.add_argument("--eval-every", type=int, default=10, help="updates per validation")
+    opt.add_argument("--eval-batches", type=int, default=8, help="validation batches (at most)")
+    opt.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
+    opt.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the program; returns what it reports (for tests)."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        with jax.numpy_dtype_promotion("strict"):
+            return finetune(args)
+    except UsageError as e:
+        parser.error(str(e))
+    except TrainingHalted as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def finetune(args: argparse.Namespace) -> dict[str, Any]:
+    """The run itself, top to bottom; see the module docstring."""
+    # --------------------------------------------------------------------------- config
+    run_dir = _run_dir(args)
+    if args.resume:
+        args = _run_flags(args, run_dir)
+    elif (run_dir / "config.json").exists():
+        raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
+    _check_flags(args)
+    stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    base_dir = _base_dir(args.base)
+    train_path, val_path, generated = _data_paths(args)
+    too_long = args.too_long or ("drop" if generated else "error")
+    retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
+
+    # --------------------------------------------------------------------------- data
+    try:
+        tokenizer = load_tokenizer(base_dir)
+        hf_config = json.loads((base_dir / "config.json").read_text())
+        limit = hf_config.get("max_position_embeddings")
+        if limit is not None and args.seq_len > limit:
+            raise UsageError(
+                f"--seq-len {args.seq_len}: the base has {limit} positions "
+                f"(max_position_embeddings in {base_dir / 'config.json'})"
+            )
+        kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, too_long=too_long)
+        kw |= dict(vocab_size=hf_config.get("vocab_size"))
+        train_data = FinetuneData(train_path, tokenizer, seed=args.seed, pack=args.pack, **kw)
+        val_data = (
+            None
+            if val_path is None
+            else FinetuneData(
+                val_path, tokenizer, seed=args.seed, pack=args.pack, shuffle=False, **kw
+            )
+        )
+    except (DataError, ValueError) as e:
+        raise UsageError(str(e)) from e
+    val_batches = [] if val_data is None else val_data.eval_batches()[: args.eval_batches]
+    for name, data in (("--data", train_data), ("--val-data", val_data)):
+        if data is not None and data.dropped:
+            print(
+                f"{name} {data.path}: {len(data.dropped)} examples longer than --seq-len "
+                f"{args.seq_len} left out (--too-long drop)"
+            )
+
+    # --------------------------------------------------------------------------- model
+    digest = hashlib.sha256()
+
+    def identify(name: str, tensor: np.ndarray) -> None:
+        digest.update(f"{name}:{tensor.dtype.name}:{tensor.shape};".encode())
+        digest.update(np.ascontiguousarray(tensor).view(np.uint8).data)
+
+    quantize = None if args.quantize == "none" else args.quantize
+    param_dtype, dtype = DTYPES[args.param_dtype], DTYPES[args.dtype]
+    try:
+        model = load_hf(
+            base_dir, param_dtype=param_dtype, dtype=dtype, quantize=quantize, on_tensor=identify
+        )
+    except ValueError as e:
+        raise UsageError(f"--base {base_dir}: {e}") from e
+    base_digest = digest.hexdigest()
+    try:
+        adapted = rl.apply_lora(
+            model,
+            args.targets,
+            rank=args.rank,
+            alpha=args.alpha,
+            dropout=args.dropout,
+            names=hf_module_name,
+            rngs=nnx.Rngs(args.seed),
+        )
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--targets {','.join(args.targets)}: {e}") from e
+    model.eval()
+    eval_def = nnx.graphdef(model)  # dropout off
+    model.train()
+    graphdef, adapters, rngs, base = nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
+    n_base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param, rl.Frozen)))
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(base))
+    n_adapters = sum(x.size for x in jax.tree.leaves(adapters))
+
+    # --------------------------------------------------------------------------- optimizer
+    schedule = ro.warmup_cosine_decay_schedule(
+        0.0, args.lr, args.warmup, args.steps, end_value=args.lr * args.min_lr_ratio
+    )
+    tx = optax.chain(ro.clip_by_global_norm(args.clip), ro.adamw(schedule, weight_decay=0.0))
+    opt_state = tx.init(adapters)
+    acc = ro.GradientAccumulator.init(adapters, jnp.float32)
+
+    # --------------------------------------------------------------------------- step
+    # nnx's grad: dropout advances its RNG counters inside the differentiated call.
+    grad = nnx.value_and_grad(
+        labelled_loss_sum, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True
+    )
+
+    @jax.jit
+    def micro(adapters, rngs, acc, base, batch):
+        model = nnx.merge(graphdef, adapters, rngs, base)
+        (_, metrics), grads = grad(model, batch)
+        return acc.add(grads, weight=metrics["tokens"]), nnx.state(model, nnx.RngState), metrics
+
+    @jax.jit
+    def apply(adapters, opt_state, acc):
+        grads, acc = acc.pop(normalize=True)  # the mean over the window's counted tokens
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, acc, optax.global_norm(grads)
+
+    @jax.jit
+    def evaluate(adapters, rngs, base, batch):
+        return labelled_loss_sum(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
+
+    def val_loss() -> float | None:
+        if not val_batches:
+            return None
+        ms = jax.device_get([evaluate(adapters, rngs, base, b) for b in val_batches])
+        return sum(float(m["ce_sum"]) for m in ms) / max(1, sum(int(m["tokens"]) for m in ms))
+
+    # --------------------------------------------------------------------------- checkpoint
+    identity = {
+        "base_sha256": base_digest,
+        "data_identity": _identity(train_data),
+        "val_data_identity": None if val_data is None else _identity(val_data),
+    }
+    run_config = {k: v for k, v in vars(args).items() if k not in SESSION_FLAGS} | identity
+    if args.resume:
+        _check_identity(run_dir, identity)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = {**vars(args), **identity, "base": str(base_dir)}
+    (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+    record = lambda step: rc.TrainingRecord.capture(
+        model={"adapters": adapters, "rngs": rngs},
+        optimizer=opt_state,
+        accumulator=acc,
+        state={"step": step},
+        config=run_config,
+    )
+    step = 0
+    checkpointer = _checkpointer(run_dir, keep=args.keep)
+    if args.resume:
+        try:
+            restored = checkpointer.restore(record(0))
+        except ValueError as e:  # a damaged checkpoint, or one of another configuration
+            checkpointer.close()
+            raise UsageError(f"--resume: {e}") from e
+        adapters, rngs = restored.model["adapters"], restored.model["rngs"]
+        opt_state, acc, step = restored.optimizer, restored.accumulator, restored.state["step"]
+        print(f"resumed {run_dir} at update {step} of {args.steps}")
+
+    # --------------------------------------------------------------------------- loop
+    log = MetricsLog(run_dir / "metrics.jsonl", resume_step=step if args.resume else None)
+    print(
+        f"{base_dir}: {n_base:,} base parameters in {base_bytes:,} bytes "
+        f"({'NF4' if quantize else args.param_dtype}); LoRA r={args.rank} on {len(adapted)} "
+        f"layers: {n_adapters:,} trained. {train_data.num_examples} examples "
+        f"({train_data.path}), updates {step + 1} to {stop} of {args.steps}"
+    )
+    if step == 0:
+        log.write(kind="eval", step=0, val_loss=val_loss())
+    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True)
+    last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
+    clock, timed = None, 0
+    rows_tokens = args.batch_size * args.seq_len * args.grad_accum
+    try:
+        while step < stop:
+            step += 1
+            window = []
+            for a in range(args.grad_accum):
+                batch = train_data.batch((step - 1) * args.grad_accum + a)
+                acc, rngs, m = micro(adapters, rngs, acc, base, batch)
+                window.append(m)
+            adapters, opt_state, acc, norm = apply(adapters, opt_state, acc)
+            window, norm = jax.device_get((window, norm))  # waits for the update
+            counted = sum(int(m["tokens"]) for m in window)
+            loss = sum(float(m["ce_sum"]) for m in window) / max(1, counted)
+            guard.check_loss(loss, step=step, latest=checkpointer.latest_step)
+            if clock is None:  # the first update compiled the steps: time from its end
+                clock = time.perf_counter()
+            else:
+                timed += rows_tokens
+            rate = timed / (time.perf_counter() - clock) if timed else None
+            last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            bar.update(1)
+            log.write(
+                kind="train",
+                step=step,
+                loss=loss,
+                lr=float(schedule(step - 1)),
+                grad_norm=float(norm),
+                counted_tokens=counted,
+                tokens_per_s=rate,
+            )
+            paused = False
+            if step % args.eval_every == 0 or step == args.steps:
+                last["val_loss"] = val_loss()
+                log.write(kind="eval", step=step, val_loss=last["val_loss"])
+                bar.write(
+                    f"update {step}: train loss {loss:.4f}, val loss {_show(last['val_loss'])}"
+                )
+                paused = True
+            if step % args.checkpoint_every == 0 or step == stop:
+                guard.check_finite(adapters, step=step, latest=checkpointer.latest_step)
+                checkpointer.save(step, record(step))
+                paused = True
+            if paused:  # evaluation and checkpoints are not training throughput
+                clock, timed = time.perf_counter(), 0
+    except BaseException:
+        log.close()
+        raise
+    finally:
+        bar.close()
+        checkpointer.close()
+
+    # --------------------------------------------------------------------------- output
+    log.close()
+    plot = run_dir / "loss.png"
+    plot_losses(
+        read_rows(log.path), plot, title=f"{run_dir.name}: LoRA r={args.rank} on {base_dir}"
+    )
+    result: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "step": step,
+        "base_sha256": base_digest,
+        "base_bytes": base_bytes,
+        "adapted": adapted,
+        **last,
+    }
+    if step < args.steps:
+        print(
+            f"stopped at update {step} of {args.steps}; continue with --resume --run-dir {run_dir}"
+        )
+        return result
+    nnx.update(model, adapters, rngs)
+    model.eval()
+    out = Path(args.export) if args.export else run_dir / "adapter"
+    rl.save_adapter(model, out, base_model_name_or_path=str(base_dir), names=hf_module_name)
+    print(
+        f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
+        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s\nmetrics: {log.path}\nloss curve: "
+        f"{plot}\nadapter: {out} (peft.PeftModel.from_pretrained(<{base_dir}'s model>, it))"
+    )
+    return result | {"adapter": str(out), "model": model}
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _show(x: float | None, spec: str = ".4f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    if args.run_dir:
+        return Path(args.run_dir)
+    return Path(args.runs_dir) / (args.name or time.strftime("finetune-%Y%m%d-%H%M%S"))
+
+
+def _run_flags(args: argparse.Namespace, run_dir: Path) -> argparse.Namespace:
+    """--resume: the run's flags from its config.json; this session's flags on top."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
+    defaults = vars(build_parser().parse_args([]))
+    given = {k: v for k, v in vars(args).items() if v != defaults.get(k)}
+    conflicts = [
+        f"--{k.replace('_', '-')} {given[k]!r} (the run has {saved.get(k)!r})"
+        for k in given
+        if k not in SESSION_FLAGS and k in saved and saved[k] != given[k]
+    ]
+    if conflicts:
+        raise UsageError("--resume: flags differ from the run's: " + "; ".join(conflicts))
+    merged = {k: saved.get(k, v) for k, v in defaults.items()}
+    merged |= {k: getattr(args, k) for k in SESSION_FLAGS}
+    return argparse.Namespace(**merged)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    positive = ("seq_len", "steps", "batch_size", "grad_accum", "rank", "eval_every")
+    positive += ("eval_batches", "checkpoint_every", "keep")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+            )
+    if not args.warmup < args.steps:
+        raise UsageError(f"--warmup must be < --steps, got {args.warmup=}, {args.steps=}")
+    if args.stop_at is not None and args.stop_at <= 0:
+        raise UsageError(f"--stop-at must be positive, got {args.stop_at}")
+
+
+def _base_dir(base: str | None) -> Path:
+    """--base, or hf/base, exported from runs/base (the main job's run) if it is not there."""
+    if base is not None:
+        path = Path(base)
+        if not hf_init.is_hf_dir(path):
+            raise UsageError(
+                f"--base {path}: no config.json with a model_type, so not an HF checkpoint"
+            )
+        return path
+    if hf_init.is_hf_dir(DEFAULT_BASE):
+        return DEFAULT_BASE
+    if not (DEFAULT_BASE_RUN / "checkpoints").is_dir():
+        raise UsageError(
+            f"no --base, and neither {DEFAULT_BASE} nor the run {DEFAULT_BASE_RUN} exists: run "
+            "python -m examples.lm.train --name base first, or pass --base <HF dir>"
+        )
+    print(f"exporting {DEFAULT_BASE_RUN} to {DEFAULT_BASE} (python -m examples.lm.hf export)")
+    export(DEFAULT_BASE_RUN, DEFAULT_BASE)
+    return DEFAULT_BASE
+
+
+def _data_paths(args: argparse.Namespace) -> tuple[Path, Path | None, bool]:
+    """(train, val, generated): --data/--val-data, or the standard-library set, made once."""
+    if args.data is not None:
+        return Path(args.data), None if args.val_data is None else Path(args.val_data), False
+    if not (DEFAULT_DATA / instructions.TRAIN).exists():
+        counts = instructions.write(DEFAULT_DATA)
+        print(
+            f"{DEFAULT_DATA}: {counts['train']} training and {counts['val']} validation "
+            "examples from the standard library's docstrings"
+        )
+    val = Path(args.val_data) if args.val_data else DEFAULT_DATA / instructions.VAL
+    return DEFAULT_DATA / instructions.TRAIN, val, True
+
+
+def _identity(data: FinetuneData) -> dict[str, Any]:
+    """What fixes the data's batches, the path left out (one file may be reached by two)."""
+    return {k: v for k, v in data.identity().items() if k != "path"}
+
+
+def _check_identity(run_dir: Path, identity: dict[str, Any]) -> None:
+    """--resume on another base or other data is refused, naming what differs."""
+    saved = json.loads((run_dir / "config.json").read_text())
+    if saved.get("base_sha256") != identity["base_sha256"]:
+        raise UsageError(
+            f"--resume: the run was tuned on a base whose tensors hash to "
+            f"{saved.get('base_sha256')} ({saved.get('base')}); this base hashes to "
+            f"{identity['base_sha256']}: a different model"
+        )
+    for key in ("data_identity", "val_data_identity"):
+        if saved.get(key) != identity[key]:
+            raise UsageError(
+                f"--resume: the run's {key.removesuffix('_identity')} differs from this one's "
+                f"({saved.get(key)} vs "
+                f"{identity[key]}): the batches would not be the same"
+            )
+
+
+def _checkpointer(run_dir: Path, *, keep: int) -> rc.Checkpointer:
+    try:
+        return rc.Checkpointer(run_dir / "checkpoints", keep=keep)
+    except rc.CheckpointLockedError as e:
+        raise UsageError(f"{run_dir}: its checkpoints are in use: {e}") from e

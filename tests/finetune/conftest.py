@@ -1,0 +1,74 @@
+"""Fixtures of the fine-tuning tests: a tiny HF Llama base with its own tokenizer, and data."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from examples.lm.hf import save_hf
+from examples.lm.model import GPT, GPTConfig
+from examples.lm.tokenizer import train_tokenizer
+
+NAMES = ["alpha", "beta", "gamma", "delta", "value", "total", "index", "item"]
+
+
+def examples(n: int, seed: int) -> list[dict[str, str]]:
+    """Prompt/completion pairs a tiny model learns in a few updates: a signature, its doc."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.choice(NAMES), rng.choice(NAMES)
+        rows.append(
+            {
+                "prompt": f"def {a}_{i}({b}, n={i % 7}):\n",
+                "completion": f"Return {b} times n plus {i % 5}.",
+            }
+        )
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory) -> Path:
+    """A random 2-block Llama (widths multiples of 64, as NF4's blocks need) saved as an HF
+    directory with a BPE trained on the examples' text; never modify it."""
+    root = tmp_path_factory.mktemp("base")
+    texts = [r["prompt"] + r["completion"] for r in examples(200, seed=0)]
+    tokenizer = train_tokenizer(texts, 300)
+    tokenizer.save(str(root / "tokenizer.json"))
+    config = GPTConfig(
+        vocab_size=320,
+        seq_len=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        tie_embeddings=False,
+        fused_qkv=False,
+        param_dtype=jnp.float32,
+        dtype=jnp.float32,
+    )
+    save_hf(
+        GPT(config, rngs=nnx.Rngs(0)),
+        root / "hf",
+        tokenizer=root / "tokenizer.json",
+        eos_token_id=0,
+    )
+    return root / "hf"
+
+
+@pytest.fixture(scope="session")
+def data_files(tmp_path_factory) -> tuple[Path, Path]:
+    """(train.jsonl, val.jsonl): 96 and 16 examples; never modify them."""
+    root = tmp_path_factory.mktemp("data")
+    rows = examples(112, seed=1)
+    return write_jsonl(root / "train.jsonl", rows[:96]), write_jsonl(root / "val.jsonl", rows[96:])

@@ -1,0 +1,191 @@
+"""examples/finetune/train.py, the QLoRA program, run as a user runs it: the loss falls, peft
+loads the adapter onto transformers' model of the dequantized base and computes rudax's
+logits, a resumed run in a fresh process is the uninterrupted one bit for bit, and a changed
+base or bad data is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+import rudax.kernels as rk
+import rudax.layers as rl
+from examples.finetune.train import main
+from tests.finetune.conftest import write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = [
+    *("--seq-len", "64", "--batch-size", "4", "--steps", "8", "--warmup", "1"),
+    *("--lr", "1e-2", "--eval-every", "4", "--checkpoint-every", "4", "--eval-batches", "2"),
+]
+
+
+def _flags(base_dir, data_files, run_dir, *extra):
+    train, val = data_files
+    return [
+        "--base",
+        str(base_dir),
+        "--data",
+        str(train),
+        "--val-data",
+        str(val),
+        "--run-dir",
+        str(run_dir),
+        *FLAGS,
+        *extra,
+    ]
+
+
+def _train_rows(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def full_run(base_dir, data_files, tmp_path_factory):
+    """8 uninterrupted updates of QLoRA with fp32 storage of the unquantized parts."""
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    result = main(_flags(base_dir, data_files, run_dir, "--param-dtype", "float32"))
+    return run_dir, result
+
+
+def test_validation_loss_falls_and_the_base_is_nf4(full_run):
+    run_dir, result = full_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["val_loss"] for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 4, 8]
+    assert evals[-1] < evals[0] - 0.1, evals
+    assert (run_dir / "loss.png").stat().st_size > 0
+    model = result["model"]
+    layer = model.blocks[0].attn.q
+    assert isinstance(layer, rl.LoRALinear) and isinstance(layer.base, rl.NF4Linear)
+    assert len(result["adapted"]) == 14  # 7 projections x 2 blocks
+
+
+def test_peft_loads_the_adapter_and_computes_rudax_logits(full_run, base_dir):
+    run_dir, result = full_run
+    model = result["model"]  # eval mode: no dropout
+    twin = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for i, layer in enumerate(twin.model.layers):
+            ours = model.blocks[i]
+            pairs = [
+                (layer.self_attn.q_proj, ours.attn.q),
+                (layer.self_attn.k_proj, ours.attn.k),
+                (layer.self_attn.v_proj, ours.attn.v),
+                (layer.self_attn.o_proj, ours.attn.out),
+                (layer.mlp.gate_proj, ours.mlp.gate),
+                (layer.mlp.up_proj, ours.mlp.up),
+                (layer.mlp.down_proj, ours.mlp.down),
+            ]
+            for theirs, lora in pairs:
+                w = np.asarray(rk.nf4_dequantize(lora.base.weight, jnp.float32))
+                theirs.weight.copy_(torch.from_numpy(w.copy()))
+    tuned = peft.PeftModel.from_pretrained(twin, str(run_dir / "adapter")).eval()
+    ids = np.random.default_rng(0).integers(0, 300, size=(2, 32))
+    with torch.no_grad():
+        want = tuned(torch.tensor(ids)).logits.double().numpy()
+    got = np.asarray(model(jnp.asarray(ids, jnp.int32))[0], np.float64)
+    # The adapters moved: the adapted logits differ from the base's by far more than rounding.
+    with torch.no_grad(), tuned.disable_adapter():
+        plain = tuned(torch.tensor(ids)).logits.double().numpy()
+    scale = np.max(np.abs(want))
+    assert np.max(np.abs(want - plain)) > 1e-3 * scale
+    assert np.max(np.abs(got - want)) < 2e-5 * scale
+
+
+def test_resume_in_a_fresh_process_is_bit_for_bit(full_run, base_dir, data_files, tmp_path):
+    full_dir, _ = full_run
+    run_dir = tmp_path / "run"
+    main(_flags(base_dir, data_files, run_dir, "--param-dtype", "float32", "--stop-at", "4"))
+    assert [s for s, *_ in _train_rows(run_dir)] == [1, 2, 3, 4]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(
+        [sys.executable, "-m", "examples.finetune", "--resume", "--run-dir", str(run_dir)],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert _train_rows(run_dir) == _train_rows(full_dir)  # losses and norms, every bit
+    ours = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(full_dir / "adapter" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for key in ours:
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+
+
+def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(base_dir, base)
+    run_dir = tmp_path / "run"
+    main(_flags(base, data_files, run_dir, "--steps", "2", "--warmup", "1", "--stop-at", "1"))
+    tensors = load_file(base / "model.safetensors")
+    key = "model.layers.1.mlp.up_proj.weight"
+    tensors[key] = tensors[key] * np.float32(1.01)
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SystemExit):
+        main(["--resume", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert "--resume: the run was tuned on a base whose tensors hash to" in err
+    assert "a different model" in err
+
+
+def test_bad_data_is_refused_by_line_and_field(base_dir, data_files, tmp_path, capsys):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "c"}])
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--base",
+                str(base_dir),
+                "--data",
+                str(bad),
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--seq-len",
+                "64",
+            ]
+        )
+    assert f"{bad}:2" in capsys.readouterr().err
+    long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "x " * 200, "completion": "y"}])
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--base",
+                str(base_dir),
+                "--data",
+                str(long),
+                "--run-dir",
+                str(tmp_path / "r2"),
+                "--seq-len",
+                "64",
+            ]
+        )
+    assert f"{long}:1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--base",
+                str(base_dir),
+                "--data",
+                str(data_files[0]),
+                "--seq-len",
+                "65",
+                "--run-dir",
+                str(tmp_path / "r3"),
+            ]
+        )
+    assert "--seq-len 65: the base has 64 positions" in capsys.readouterr().err
