@@ -9,6 +9,7 @@ import rudax.kernels as rk
 BLOCKS = [
     (rk.AdamWBlock, "size"),
     (rk.GlobalNormBlock, "max_partials"),
+    (rk.NF4MatmulBlock, "block_k"),
     (rk.RowBlock, "rows"),
     (rk.SiluMulBlock, "num_warps"),
 ]
@@ -36,8 +37,9 @@ def test_block_fields_fail_alike(block_type, field, value, error, message):
         (rk.rms_norm, (jnp.ones((2, 4)), jnp.ones(4))),
         (rk.silu_mul, (jnp.ones(4), jnp.ones(4))),
         (rk.global_norm_and_finite, ({"g": jnp.ones(4)},)),
+        (rk.nf4_matmul, (jnp.ones((2, 64)), rk.nf4_quantize(jnp.ones((4, 64))))),
     ],
-    ids=["rms_norm", "silu_mul", "global_norm"],
+    ids=["rms_norm", "silu_mul", "global_norm", "nf4_matmul"],
 )
 def test_wrong_block_type_names_the_expected_one(op, args):
     with pytest.raises(TypeError, match=r"block must be a rudax\.kernels\.\w+Block or None"):
