@@ -385,10 +385,12 @@ def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             arms[arm][key] = statistics.median(values)
             arms[arm][f"{key}_vs_{BASELINE}"] = list(ratio_summary(values, [b[key] for b in base]))
     summary: dict[str, Any] = {"arms": arms}
-    if "error" not in arms.get("rudax_nf4", {"error": 1}) and "rudax_bf16" in arms:
-        for key in ("base_bytes", "projection_bytes"):
-            summary[f"nf4_over_bf16_{key}"] = arms["rudax_nf4"][key] / arms["rudax_bf16"][key]
+    ok = lambda arm: arm in arms and "error" not in arms[arm]
+    if ok("rudax_nf4"):
         summary["rudax_nf4_over_torch_tokens_per_s"] = arms["rudax_nf4"]["tokens_per_s_vs_torch"]
+        if ok("rudax_bf16"):
+            for key in ("base_bytes", "projection_bytes"):
+                summary[f"nf4_over_bf16_{key}"] = arms["rudax_nf4"][key] / arms["rudax_bf16"][key]
     return summary
 
 
@@ -601,13 +603,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"first update's loss (the base's): {losses}\n")
         print(table(summary))
         if "nf4_over_bf16_base_bytes" in summary:
-            speed = summary["rudax_nf4_over_torch_tokens_per_s"]
             print(
                 f"\nbase bytes, rudax NF4 / bf16: {summary['nf4_over_bf16_base_bytes']:.3f} for "
                 f"the whole base (the bf16 embedding and head included), "
                 f"{summary['nf4_over_bf16_projection_bytes']:.3f} for the quantized projections "
-                f"(target <= {TARGET_BYTES_RATIO})\ntokens/s, rudax QLoRA / transformers + peft "
-                f"LoRA: {_spread(speed)} (target >= {TARGET_SPEED_RATIO})"
+                f"(target <= {TARGET_BYTES_RATIO})"
+            )
+        if "rudax_nf4_over_torch_tokens_per_s" in summary:
+            speed = summary["rudax_nf4_over_torch_tokens_per_s"]
+            print(
+                f"tokens/s, rudax QLoRA / transformers + peft LoRA: {_spread(speed)} "
+                f"(target >= {TARGET_SPEED_RATIO})"
             )
     if args.prep:
         report["prep"] = prep(args, argv)
