@@ -242,9 +242,10 @@ def _torch_arm(directory: Path, args: argparse.Namespace, *, bnb: bool) -> dict[
     model.train()
     base_bytes = projection_bytes = 0
     for name, module in model.named_modules():
-        if not hasattr(module, "weight") or not isinstance(module.weight, torch.Tensor):
+        # A peft wrapper's ``weight`` is its base layer's, counted there; lora_A/B are trained.
+        if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer) or "lora_" in name:
             continue
-        if "lora_" in name:
+        if not isinstance(getattr(module, "weight", None), torch.Tensor):
             continue
         held = _torch_bytes(module)
         base_bytes += held

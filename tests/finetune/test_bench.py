@@ -78,13 +78,14 @@ def test_one_round_end_to_end(tmp_path, capsys):
     # (1 kv head of 32); gate, up, down 64 x 192 (SwiGLU's hidden, 8/3 * 64 rounded up to 64).
     per_layer = [64 * 64] * 2 + [64 * 32] * 2 + [64 * 192] * 3
     assert rounds["torch"][0]["projection_bytes"] == 4 * sum(per_layer)  # fp32 in torch
+    rest = 2 * 256 * 64 + 3 * 64  # the embedding and head 256 x 64 each, 3 norms of 64
+    assert rounds["torch"][0]["base_bytes"] == 4 * (sum(per_layer) + rest)
     # NF4: w/2 bytes of codes, w/64 of absmax codes, a fp32 scale per 256 absmax (each layer's
     # absmax are quantized on their own) and a fp32 offset.
     nf4 = sum(w // 2 + w // 64 + 4 * -(-(w // 64) // 256) + 4 for w in per_layer)
     assert rounds["rudax_nf4"][0]["projection_bytes"] == nf4
     assert nf4 / (2 * sum(per_layer)) < 0.27  # against the same weights in bf16
-    # Beside them: the embedding and head 256 x 64 each, 3 norms of 64, all bf16 in rudax.
-    assert rounds["rudax_nf4"][0]["base_bytes"] == nf4 + 2 * (2 * 256 * 64 + 3 * 64)
+    assert rounds["rudax_nf4"][0]["base_bytes"] == nf4 + 2 * rest  # the rest stored bf16
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("|")]
     assert len(rows) == 2 + 2 and rows[0].startswith("| arm | tokens/s | peak host memory")
