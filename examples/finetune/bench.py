@@ -219,6 +219,7 @@ def _torch_arm(directory: Path, args: argparse.Namespace, *, bnb: bool) -> dict[
     import peft
     import torch
     import transformers
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -243,7 +244,7 @@ def _torch_arm(directory: Path, args: argparse.Namespace, *, bnb: bool) -> dict[
     base_bytes = projection_bytes = 0
     for name, module in model.named_modules():
         # A peft wrapper's ``weight`` is its base layer's, counted there; lora_A/B are trained.
-        if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer) or "lora_" in name:
+        if isinstance(module, BaseTunerLayer) or "lora_" in name:
             continue
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             continue
@@ -525,7 +526,7 @@ def prep_report(p: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m examples.finetune.bench", description=__doc__.splitlines()[0]
+        prog="python -m examples.finetune.bench", description=(__doc__ or "").splitlines()[0]
     )
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (0: --prep only)")
     p.add_argument("--steps", type=int, default=6, help="timed updates per arm per round")
