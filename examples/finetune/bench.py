@@ -26,6 +26,12 @@ an order that rotates round by round:
   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=float32)`` (bitsandbytes' CPU
   backend); the rest of the model fp32. If it fails here, its row gives the error.
 
+The default size, d_model 512 x 4 layers (8 heads, 2 kv, MLP 1408), vocab 8192, 8 x 256
+tokens per update (19.7M parameters, 11.3M of them in the projections), is the smallest at
+which the matmuls, not per-op dispatch, set the step time (at d_model 128 torch's eager
+overhead and XLA's launch cost decide), and 8 updates + start + compilation take about a
+minute per arm-round on 2 shared cores, so 3 rounds of 4 arms fit in about 20 minutes.
+
 Every arm trains on the same ids: ``B`` rows of ``T + 1`` random tokens, ``T`` inputs and
 ``T`` labels (the next token), ``B * T`` counted tokens per update. A child runs two untimed
 updates (the first compiles), then times ``--steps`` updates, each waited for (its loss read
