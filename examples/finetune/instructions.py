@@ -127,13 +127,18 @@ def write(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts = {"train": 0, "val": 0}
-    with open(out / TRAIN, "w") as train, open(out / VAL, "w") as val:
+    # Written beside, then renamed: an interrupted run never leaves a half set that a later
+    # one would take for the whole (the fine-tuner makes the set only when it is missing).
+    partial = {split: out / f".{name}.partial" for split, name in (("train", TRAIN), ("val", VAL))}
+    with open(partial["train"], "w") as train, open(partial["val"], "w") as val:
         for key, example in examples(root):
             split = "val" if is_val(key, seed=seed, val_fraction=val_fraction) else "train"
             if split == "train" and limit is not None and counts["train"] >= limit:
                 continue
             (val if split == "val" else train).write(json.dumps(example) + "\n")
             counts[split] += 1
+    os.replace(partial["val"], out / VAL)
+    os.replace(partial["train"], out / TRAIN)  # last: its presence means the set is whole
     return counts
 
 

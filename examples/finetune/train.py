@@ -60,7 +60,7 @@ from examples.finetune import instructions
 from examples.finetune.data import FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
 from examples.lm import guard, hf_init
-from examples.lm.config import UsageError, _HelpFormatter
+from examples.lm.config import UsageError, _HelpFormatter, given_flags
 from examples.lm.guard import TrainingHalted
 from examples.lm.hf import export, hf_module_name, load_hf
 from examples.lm.host_memory import retain_freed_memory
@@ -73,6 +73,9 @@ DEFAULT_DATA = Path("data/instructions")
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Flags that may change between the sessions of one run; every other one is the run's.
 SESSION_FLAGS = ("resume", "stop_at", "export", "name", "runs_dir", "run_dir")
+# Where the base and the data are: a resumed run may find them elsewhere (their contents are
+# what is checked: the base's digest and the data's identity), and takes the run's if not given.
+PLACES = ("base", "data", "val_data")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
@@ -136,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the program; returns what it reports (for tests)."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
     try:
         with jax.numpy_dtype_promotion("strict"):
-            return finetune(args)
+            return finetune(args, given_flags(parser, argv))
     except UsageError as e:
         parser.error(str(e))
     except TrainingHalted as e:
@@ -147,12 +151,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(1) from None
 
 
-def finetune(args: argparse.Namespace) -> dict[str, Any]:
-    """The run itself, top to bottom; see the module docstring."""
+def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[str, Any]:
+    """The run itself, top to bottom; see the module docstring. ``given``: the flags on the
+    command line (None: those that differ from their defaults)."""
     # --------------------------------------------------------------------------- config
     run_dir = _run_dir(args)
     if args.resume:
-        args = _run_flags(args, run_dir)
+        args = _run_flags(args, run_dir, given)
     elif (run_dir / "config.json").exists():
         raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
     _check_flags(args)
@@ -193,9 +198,14 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
             )
 
     # --------------------------------------------------------------------------- model
-    digest = hashlib.sha256()
+    # The base's identity: its config.json (the function the tensors compute) and every
+    # tensor the model takes, as read, with its name, dtype and shape.
+    digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode())
+    n_base = 0
 
     def identify(name: str, tensor: np.ndarray) -> None:
+        nonlocal n_base
+        n_base += tensor.size
         digest.update(f"{name}:{tensor.dtype.name}:{tensor.shape};".encode())
         digest.update(np.ascontiguousarray(tensor).view(np.uint8).data)
 
@@ -218,13 +228,12 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
             names=hf_module_name,
             rngs=nnx.Rngs(args.seed),
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
         raise UsageError(f"--targets {','.join(args.targets)}: {e}") from e
     model.eval()
     eval_def = nnx.graphdef(model)  # dropout off
     model.train()
     graphdef, adapters, rngs, base = nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
-    n_base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param, rl.Frozen)))
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(base))
     n_adapters = sum(x.size for x in jax.tree.leaves(adapters))
 
@@ -285,7 +294,10 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     )
     step = 0
     checkpointer = _checkpointer(run_dir, keep=args.keep)
-    if args.resume:
+    resumed = args.resume and checkpointer.latest_step() is not None
+    if args.resume and not resumed:
+        print(f"--resume: {run_dir} has no checkpoint yet: starting from update 0")
+    if resumed:
         try:
             restored = checkpointer.restore(record(0))
         except ValueError as e:  # a damaged checkpoint, or one of another configuration
@@ -296,7 +308,10 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         print(f"resumed {run_dir} at update {step} of {args.steps}")
 
     # --------------------------------------------------------------------------- loop
-    log = MetricsLog(run_dir / "metrics.jsonl", resume_step=step if args.resume else None)
+    # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
+    log = MetricsLog(
+        run_dir / "metrics.jsonl", resume_step=step if resumed else -1 if args.resume else None
+    )
     print(
         f"{base_dir}: {n_base:,} base parameters in {base_bytes:,} bytes "
         f"({'NF4' if quantize else args.param_dtype}); LoRA r={args.rank} on {len(adapted)} "
@@ -308,13 +323,13 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True)
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
     clock, timed = None, 0
-    rows_tokens = args.batch_size * args.seq_len * args.grad_accum
     try:
         while step < stop:
             step += 1
-            window = []
+            window, real = [], 0
             for a in range(args.grad_accum):
                 batch = train_data.batch((step - 1) * args.grad_accum + a)
+                real += int(np.count_nonzero(batch["segment_ids"]))  # tokens, not padding
                 acc, rngs, m = micro(adapters, rngs, acc, base, batch)
                 window.append(m)
             adapters, opt_state, acc, norm = apply(adapters, opt_state, acc)
@@ -325,7 +340,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
             if clock is None:  # the first update compiled the steps: time from its end
                 clock = time.perf_counter()
             else:
-                timed += rows_tokens
+                timed += real
             rate = timed / (time.perf_counter() - clock) if timed else None
             last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -404,36 +419,43 @@ def _run_dir(args: argparse.Namespace) -> Path:
     return Path(args.runs_dir) / (args.name or time.strftime("finetune-%Y%m%d-%H%M%S"))
 
 
-def _run_flags(args: argparse.Namespace, run_dir: Path) -> argparse.Namespace:
+def _run_flags(
+    args: argparse.Namespace, run_dir: Path, given: set[str] | None
+) -> argparse.Namespace:
     """--resume: the run's flags from its config.json; this session's flags on top."""
     try:
         saved = json.loads((run_dir / "config.json").read_text())
     except FileNotFoundError:
         raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
     defaults = vars(build_parser().parse_args([]))
-    given = {k: v for k, v in vars(args).items() if v != defaults.get(k)}
+    if given is None:
+        given = {k for k, v in vars(args).items() if v != defaults.get(k)}
     conflicts = [
-        f"--{k.replace('_', '-')} {given[k]!r} (the run has {saved.get(k)!r})"
-        for k in given
-        if k not in SESSION_FLAGS and k in saved and saved[k] != given[k]
+        f"--{k.replace('_', '-')} {getattr(args, k)!r} (the run has {saved.get(k)!r})"
+        for k in sorted(given)
+        if k not in SESSION_FLAGS + PLACES and k in saved and saved[k] != getattr(args, k)
     ]
     if conflicts:
         raise UsageError("--resume: flags differ from the run's: " + "; ".join(conflicts))
     merged = {k: saved.get(k, v) for k, v in defaults.items()}
     merged |= {k: getattr(args, k) for k in SESSION_FLAGS}
+    merged |= {k: getattr(args, k) for k in PLACES if k in given}
     return argparse.Namespace(**merged)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
     positive = ("seq_len", "steps", "batch_size", "grad_accum", "rank", "eval_every")
-    positive += ("eval_batches", "checkpoint_every", "keep")
+    positive += ("eval_batches", "checkpoint_every", "keep", "alpha", "lr", "clip")
     for name in positive:
-        if getattr(args, name) <= 0:
-            raise UsageError(
-                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
-            )
-    if not args.warmup < args.steps:
-        raise UsageError(f"--warmup must be < --steps, got {args.warmup=}, {args.steps=}")
+        value = getattr(args, name)
+        if not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if not 0 <= args.warmup < args.steps:
+        raise UsageError(f"--warmup must be in [0, --steps), got {args.warmup}, {args.steps=}")
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at must be positive, got {args.stop_at}")
 

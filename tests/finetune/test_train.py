@@ -133,6 +133,14 @@ def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):
     shutil.copytree(base_dir, base)
     run_dir = tmp_path / "run"
     main(_flags(base, data_files, run_dir, "--steps", "2", "--warmup", "1", "--stop-at", "1"))
+    capsys.readouterr()
+    # The config is part of the base's identity: the same tensors computing another function.
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-2}))
+    with pytest.raises(SystemExit):
+        main(["--resume", "--run-dir", str(run_dir)])
+    assert "--resume: the run was tuned on a base whose tensors hash to" in capsys.readouterr().err
+    (base / "config.json").write_text(json.dumps(config))
     tensors = load_file(base / "model.safetensors")
     key = "model.layers.1.mlp.up_proj.weight"
     tensors[key] = tensors[key] * np.float32(1.01)
@@ -142,6 +150,44 @@ def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--resume: the run was tuned on a base whose tensors hash to" in err
     assert "a different model" in err
+
+
+def test_resume_before_any_checkpoint_starts_over_and_a_moved_base_is_found(
+    base_dir, data_files, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    flags = _flags(base_dir, data_files, run_dir, "--steps", "2", "--warmup", "1")
+    main([*flags, "--stop-at", "1"])
+    shutil.rmtree(run_dir / "checkpoints")  # interrupted before its first checkpoint
+    moved = tmp_path / "moved"
+    shutil.copytree(base_dir, moved)  # the same base, elsewhere: its contents are checked
+    capsys.readouterr()
+    result = main(["--resume", "--run-dir", str(run_dir), "--base", str(moved)])
+    assert "has no checkpoint yet: starting from update 0" in capsys.readouterr().out
+    assert result["step"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [
+        ("eval", 0),
+        ("train", 1),
+        ("train", 2),
+        ("eval", 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--dropout", "1.5"), "--dropout must be in [0, 1), got 1.5"),
+        (("--alpha", "0"), "--alpha must be positive, got 0.0"),
+        (("--lr", "-1"), "--lr must be positive, got -1.0"),
+        (("--warmup", "-1"), "--warmup must be in [0, --steps), got -1"),
+        (("--min-lr-ratio", "2"), "--min-lr-ratio must be in [0, 1], got 2.0"),
+    ],
+)
+def test_bad_flags_are_named(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        main(["--run-dir", str(tmp_path / "r"), *flags])
+    assert message in capsys.readouterr().err
 
 
 def test_bad_data_is_refused_by_line_and_field(base_dir, data_files, tmp_path, capsys):
