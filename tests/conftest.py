@@ -4,12 +4,27 @@ The device count must be fixed before JAX initialises its backends, so it is set
 import time of the first conftest, before any test module imports jax.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent compilation cache for the whole run: pytest-xdist's workers and the
+# processes tests start inherit it, so a program compiled once (the trainer's steps, which
+# every trainer test builds anew with the same shapes) is read back instead of compiled again.
+# That cut tests/lm/test_train.py's CPU time by a third. The cache is made fresh for each
+# run and removed by the process that made it; it holds XLA's executables, never results.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="rudax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
