@@ -138,7 +138,7 @@ class NF4Tensor:
         return self.absmax is None
 
 
-def _check_weight(w: jax.Array, block_size: int) -> None:
+def _check_weight(w: jax.Array | np.ndarray, block_size: int) -> None:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size must be a positive even integer, got {block_size=}")
     if block_size % 2:
