@@ -462,20 +462,8 @@ def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, ja
         ce_sum = jnp.sum(lse_BxT - target_BxT)
     else:
         h_BxTxD, aux = model.features(inputs_BxT)
-        # The fused loss needs the head's table itself; a sharded head gathers it here, as
-        # calling it would.
-        head = model.head
-        if isinstance(head, rs.ShardedModule):
-            head = head.gathered()
-        n_tokens, d = targets_BxT.size, h_BxTxD.shape[-1]
         # Every target counts (no ignore_index label here), so the count is n_tokens.
-        ce_sum, _ = rk.linear_cross_entropy(
-            h_BxTxD.reshape(n_tokens, d),
-            head.embedding[...],
-            targets_BxT.reshape(n_tokens),
-            dtype=head.dtype,
-            chunk=model.config.loss_chunk,
-        )
+        ce_sum, _ = _fused_loss(model, h_BxTxD, targets_BxT, chunk=model.config.loss_chunk)
     n = targets_BxT.size
     total = ce_sum + model.config.moe_aux_weight * float(n) * aux
     return total, {"tokens": jnp.asarray(n, jnp.int32), "ce_sum": ce_sum, "aux_loss": aux}
@@ -546,22 +534,30 @@ def labelled_loss_sum(
     """
     tokens_BxT, labels_BxT, segment_ids_BxT, positions_BxT = _check_batch(batch)
     h_BxTxD, aux = model.features(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT)
+    chunk = model.config.loss_chunk or LABELLED_LOSS_CHUNK
+    ce_sum, count = _fused_loss(model, h_BxTxD, labels_BxT, chunk=chunk)
+    total = ce_sum + model.config.moe_aux_weight * count.astype(jnp.float32) * aux
+    return total, {"tokens": count, "ce_sum": ce_sum, "aux_loss": aux}
+
+
+def _fused_loss(
+    model: GPT, h_BxTxD: jax.Array, labels_BxT: jax.Array, *, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """``linear_cross_entropy`` of the features against the head's table (-100 not counted)."""
     # The fused loss needs the head's table itself; a sharded head gathers it here, as
     # calling it would.
     head = model.head
     if isinstance(head, rs.ShardedModule):
         head = head.gathered()
     n_tokens, d = labels_BxT.size, h_BxTxD.shape[-1]
-    ce_sum, count = rk.linear_cross_entropy(
+    return rk.linear_cross_entropy(
         h_BxTxD.reshape(n_tokens, d),
         head.embedding[...],
         labels_BxT.reshape(n_tokens),
         ignore_index=-100,
         dtype=head.dtype,
-        chunk=model.config.loss_chunk or LABELLED_LOSS_CHUNK,
+        chunk=chunk,
     )
-    total = ce_sum + model.config.moe_aux_weight * count.astype(jnp.float32) * aux
-    return total, {"tokens": count, "ce_sum": ce_sum, "aux_loss": aux}
 
 
 def _check_batch(batch: Any) -> tuple[jax.Array, ...]:
