@@ -33,12 +33,12 @@ it does not implement, a missing, unexpected or misshapen tensor is a ValueError
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import rudax.checkpoint as rc
@@ -57,6 +56,7 @@ from examples.lm.attention import CausalSelfAttention, rope_frequencies
 from examples.lm.config import UsageError
 from examples.lm.hf_config import CONFIG, config_from_hf, config_to_hf
 from examples.lm.model import GPT, Block, GPTConfig, shard
+from examples.lm.safetensors_file import SafetensorsFile
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -136,9 +136,8 @@ def _where(path: tuple[Any, ...]) -> str:
 # ------------------------------------------------------------------------------- load
 
 
-@contextlib.contextmanager
-def _open_tensors(directory: Path) -> Iterator[dict[str, Any]]:
-    """{tensor name: the open safetensors file holding it}, single file or sharded."""
+def _open_tensors(directory: Path) -> dict[str, SafetensorsFile]:
+    """{tensor name: the safetensors file holding it}, single file or sharded."""
     index, single = directory / INDEX, directory / WEIGHTS
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
@@ -151,28 +150,25 @@ def _open_tensors(directory: Path) -> Iterator[dict[str, Any]]:
         bins = sorted(p.name for p in directory.glob("*.bin"))
         hint = f" (it holds {bins}: load_hf reads safetensors only)" if bins else ""
         raise ValueError(f"{directory}: no {WEIGHTS} or {INDEX}{hint}")
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for name in files:
-            if not (directory / name).is_file():
-                raise ValueError(f"{index}: lists {name}, which is not in {directory}")
-            handles[name] = stack.enter_context(safe_open(directory / name, framework="numpy"))
-        where = {}
-        for name, handle in handles.items():
-            for key in handle.keys():
-                if weight_map is not None and weight_map.get(key) != name:
-                    raise ValueError(
-                        f"{directory / name}: holds {key}, which {INDEX} puts in "
-                        f"{weight_map.get(key)!r}"
-                    )
-                where[key] = handle
-        if weight_map is not None:
-            absent = sorted(set(weight_map) - set(where))
-            if absent:
+    where = {}
+    for name in files:
+        if not (directory / name).is_file():
+            raise ValueError(f"{index}: lists {name}, which is not in {directory}")
+        handle = SafetensorsFile(directory / name)
+        for key in handle.keys():
+            if weight_map is not None and weight_map.get(key) != name:
                 raise ValueError(
-                    f"{index}: lists {absent[0]} in {weight_map[absent[0]]}, which lacks it"
+                    f"{directory / name}: holds {key}, which {INDEX} puts in "
+                    f"{weight_map.get(key)!r}"
                 )
-        yield where
+            where[key] = handle
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(where))
+        if absent:
+            raise ValueError(
+                f"{index}: lists {absent[0]} in {weight_map[absent[0]]}, which lacks it"
+            )
+    return where
 
 
 def load_hf(
@@ -186,11 +182,12 @@ def load_hf(
     """A ``GPT`` holding a Hugging Face ``LlamaForCausalLM`` (or Qwen2) checkpoint's weights.
 
     The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and each
-    parameter filled from its tensor, read alone with ``safetensors.safe_open`` and cast to
-    ``param_dtype``, so the host holds one tensor at a time beside the model, never a whole
-    file. The GPT has separate q/k/v projections (``fused_qkv=False``), in which LoRA on one
-    of them is exact, and computes what transformers' model computes (same RMSNorm, RoPE,
-    GQA; RoPE's angles are more exact here, in float64).
+    parameter filled from its tensor, read alone (``examples.lm.safetensors_file``, into
+    memory the device adopts on the CPU) and cast or transposed on the device, so the host
+    holds at most two copies of one tensor beside the model, never a whole file. The GPT has
+    separate q/k/v projections (``fused_qkv=False``), in which LoRA on one of them is exact,
+    and computes what transformers' model computes (same RMSNorm, RoPE, GQA; RoPE's angles
+    are more exact here, in float64).
 
     ``quantize="nf4"`` makes every attention and MLP projection a ``rudax.layers.NF4Linear``
     as it is read: the ``[out, in]`` tensor, in ``param_dtype``, goes through
@@ -212,7 +209,8 @@ def load_hf(
       dtype: compute dtype; None for ``param_dtype``.
       quantize: None, or ``"nf4"`` for the projections as above.
       on_tensor: called as ``on_tensor(name, array)`` with each tensor the model takes, as
-        read (before any cast), in a fixed order: e.g. to hash the base a run was tuned on.
+        stored (before any cast), in a fixed order: e.g. to hash the base a run was tuned on.
+        The array is read-only (on the CPU the model may hold its very memory).
 
     Returns:
       The ``GPT``; ``model.config`` is its ``GPTConfig``.
@@ -248,40 +246,44 @@ def load_hf(
     # Projections to quantize: module path -> the names of its weight and (Qwen2) bias.
     packed = {} if quantize is None else _projections(wanted)
     quantized: dict[tuple[Any, ...], dict[str, Any]] = {path: {} for path in packed}
-    with _open_tensors(directory) as files:
-        missing = [name for name in wanted if name not in files]
-        if missing:
+    files = _open_tensors(directory)
+    missing = [name for name in wanted if name not in files]
+    if missing:
+        raise ValueError(
+            f"{directory}: the checkpoint lacks {missing[0]} ({len(missing)} missing in all), "
+            f"which its {CONFIG} implies"
+        )
+    for name in sorted(set(files) - set(wanted)):
+        _check_extra(name, files, config, directory)
+    for name, (path, var, transposed) in wanted.items():
+        tensor = files[name].get_tensor(name)
+        want = var.get_value().shape[::-1] if transposed else var.get_value().shape
+        if tensor.shape != want:
             raise ValueError(
-                f"{directory}: the checkpoint lacks {missing[0]} ({len(missing)} missing in all), "
-                f"which its {CONFIG} implies"
+                f"{directory}: {name} has shape {tensor.shape}; {CONFIG} makes it {want} "
+                f"({_where(path)})"
             )
-        for name in sorted(set(files) - set(wanted)):
-            _check_extra(name, files, config, directory)
-        for name, (path, var, transposed) in wanted.items():
-            tensor = files[name].get_tensor(name)
-            want = var.get_value().shape[::-1] if transposed else var.get_value().shape
-            if tensor.shape != want:
+        if not jnp.issubdtype(tensor.dtype, jnp.floating):  # NumPy: not bf16
+            raise ValueError(f"{directory}: {name} has dtype {tensor.dtype}, not floating")
+        if on_tensor is not None:
+            on_tensor(name, tensor)
+        if path[:-1] in packed:
+            try:
+                part = _quantized(tensor, path, config.param_dtype)
+            except ValueError as e:  # a size NF4's blocks do not divide
                 raise ValueError(
-                    f"{directory}: {name} has shape {tensor.shape}; {CONFIG} makes it {want} "
-                    f"({_where(path)})"
-                )
-            if not jnp.issubdtype(tensor.dtype, jnp.floating):  # NumPy: not bf16
-                raise ValueError(f"{directory}: {name} has dtype {tensor.dtype}, not floating")
-            if on_tensor is not None:
-                on_tensor(name, tensor)
-            if path[:-1] in packed:
-                try:
-                    part = _quantized(tensor, path, config.param_dtype)
-                except ValueError as e:  # a size NF4's blocks do not divide
-                    raise ValueError(
-                        f"{directory}: {name} cannot be quantized to NF4 ({e}); load it "
-                        "with quantize=None"
-                    ) from e
-                quantized[path[:-1]][path[-1]] = part
-            else:
-                value = jnp.asarray(tensor.T if transposed else tensor, config.param_dtype)
-                var.set_value(jax.block_until_ready(value))  # the tensor's copy made: free it
-            del tensor
+                    f"{directory}: {name} cannot be quantized to NF4 ({e}); load it "
+                    "with quantize=None"
+                ) from e
+            quantized[path[:-1]][path[-1]] = part
+        else:
+            # On the CPU the device adopts the tensor as read; a transpose or a cast makes
+            # the one other copy, on the device, after which the read one is freed.
+            value = jax.device_put(tensor)
+            if transposed or value.dtype != config.param_dtype:
+                value = _as_param(value, transposed, config.param_dtype)
+            var.set_value(jax.block_until_ready(value))
+        del tensor
     model = nnx.merge(graphdef, state)
     for path, parts in quantized.items():
         linear = _module_at(model, path)
@@ -298,6 +300,11 @@ QUANTIZE = (None, "nf4")
 # of tests/lm/test_hf_nf4.py's load was 53-76 MB above the start, with 2**16 37-38 MB (its
 # bound: 42 MB); quantizing a 200M-parameter model this way is a few thousand small steps.
 _QUANTIZE_CHUNK = 2**16
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _as_param(x: jax.Array, transposed: bool, dtype: Any) -> jax.Array:
+    return (x.T if transposed else x).astype(dtype)
 
 
 def _projections(wanted: dict[str, Any]) -> set[tuple[Any, ...]]:

@@ -167,15 +167,14 @@ _MEASURE = textwrap.dedent(
 )
 
 
-def test_streamed_nf4_load_holds_far_less_than_a_load_that_keeps_each_tensor(tmp_path, capsys):
-    """The streamed load against the same load keeping a copy of every tensor read.
+def test_streamed_nf4_load_stays_within_the_model_plus_twice_the_largest_tensor(tmp_path, capsys):
+    """The streamed load's peak host memory, against the issue's bound and a control.
 
-    Asserted: the streamed peak stays below the control's by more than the largest tensor,
-    and below the model plus the whole bf16 checkpoint (it never holds both). Reported, not
-    asserted: the issue's bound, the model plus twice the largest tensor. At this size it is
-    met in most runs (measured 106-107 MB of 137 MB) but not all (one run in three at 136 MB):
-    glibc keeps some freed transients, a different amount from run to run. At 200M parameters
-    `python -m examples.finetune.bench --prep` measures 0.58 of it in the steady state.
+    The bound: the finished model plus twice the largest tensor (here the untied head, which
+    is also transposed: the tensor as read and its transposed device copy). The peak is the
+    kernel's own high-water mark of the resident set (VmHWM after clear_refs), which no
+    sampling can miss, and the sampled peak of anonymous memory. The control is the same load
+    keeping a copy of every tensor read: more than the bound by construction.
     """
     from examples.finetune.synthetic import write_random_llama
     from examples.lm.model import GPTConfig
@@ -201,15 +200,17 @@ def test_streamed_nf4_load_holds_far_less_than_a_load_that_keeps_each_tensor(tmp
         check=True,
     )
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    largest = info["largest_tensor_bytes"]
-    assert m["anon_peak_over_start"] + largest < m["control_anon_peak_over_start"], (m, info)
-    assert m["anon_peak_over_start"] < m["model_bytes"] + info["bytes"], (m, info)
-    bound = m["model_bytes"] + 2 * largest
+    bound = m["model_bytes"] + 2 * info["largest_tensor_bytes"]
     with capsys.disabled():
         print(
-            f"\nstreamed NF4 load: peak {m['anon_peak_over_start'] / 2**20:.1f} MiB over the "
-            f"start, {m['anon_peak_over_start'] / bound:.2f} of model + 2 x largest tensor"
+            f"\nstreamed NF4 load: peak RSS {m['rss_peak_over_start'] / 2**20:.1f} MiB, anon "
+            f"{m['anon_peak_over_start'] / 2**20:.1f} MiB over the start; bound (model + 2 x "
+            f"largest tensor) {bound / 2**20:.1f} MiB; control "
+            f"{m['control_anon_peak_over_start'] / 2**20:.1f} MiB"
         )
+    assert m["rss_peak_over_start"] <= bound, (m, info)
+    assert m["anon_peak_over_start"] <= bound, (m, info)
+    assert m["control_anon_peak_over_start"] > bound, (m, info)  # the measure sees copies
     # And it is the saving QLoRA promises: per 64 weights 32 bytes of codes and one absmax
     # code, per 16384 one fp32 scale: 0.258 of the projections' bf16 bytes.
     c = config
