@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rudax.kernels import NF4Tensor, _nf4, nf4_dequantize, nf4_quantize
+from tests._bitsandbytes import dequantize_4bit
 
 SHAPES = [(128, 64), (256, 96), (64, 4096)]
 DTYPES = {
@@ -92,7 +93,7 @@ def test_code_tables_are_bitsandbytes():
 def test_matches_bitsandbytes(shape, dtype_name):
     w_j, w_t = _weight(shape, dtype_name)
     codes_t, state = bnbf.quantize_4bit(w_t, quant_type="nf4", blocksize=64)
-    out_t = bnbf.dequantize_4bit(codes_t, state)
+    out_t = dequantize_4bit(codes_t, state)
 
     q = nf4_quantize(w_j, block_size=64, double_quant=False)
     assert q.codes.dtype == jnp.uint8 and q.absmax.dtype == jnp.float32
@@ -109,7 +110,7 @@ def test_block_size_128_matches_bitsandbytes():
     q = nf4_quantize(w_j, block_size=128, double_quant=False)
     np.testing.assert_array_equal(np.asarray(q.codes), codes_t.numpy().reshape(-1))
     np.testing.assert_array_equal(_bits(q.absmax), _bits(state.absmax.numpy()))
-    out_t = bnbf.dequantize_4bit(codes_t, state)
+    out_t = dequantize_4bit(codes_t, state)
     np.testing.assert_array_equal(
         _bits(nf4_dequantize(q).astype(jnp.float32)), _bits(out_t.float().numpy())
     )
@@ -139,7 +140,7 @@ def test_double_quant_dequantizes_bitsandbytes_state_bitwise(shape, dtype_name):
     codes_t, state = bnbf.quantize_4bit(
         w_t, quant_type="nf4", blocksize=64, compress_statistics=True
     )
-    out_t = bnbf.dequantize_4bit(codes_t, state)
+    out_t = dequantize_4bit(codes_t, state)
     out = nf4_dequantize(_from_bitsandbytes(codes_t, state, w_j.dtype, 64))
     np.testing.assert_array_equal(_bits(out.astype(jnp.float32)), _bits(out_t.float().numpy()))
     # The NF4 codes do not depend on double quantization.

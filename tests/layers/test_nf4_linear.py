@@ -15,6 +15,7 @@ from flax import nnx
 import rudax.layers as rl
 from rudax.kernels import NF4Tensor, _nf4, nf4_dequantize, nf4_quantize
 from rudax.layers._matmul import rows_matmul
+from tests._bitsandbytes import dequantize_4bit
 from tests.layers._random import normal
 
 IN, OUT = 96, 32  # a 64-block straddles rows of the [out, in] weight (96 = 1.5 blocks)
@@ -159,7 +160,7 @@ def test_weight_is_bitsandbytes_quantize_4bit_of_the_torch_weight():
     )
     np.testing.assert_array_equal(np.asarray(layer.codes[...]), codes_t.numpy().reshape(-1))
     np.testing.assert_array_equal(_bits(layer.absmax[...]), _bits(state.absmax.numpy()))
-    dequantized = bnbf.dequantize_4bit(codes_t, state).numpy()
+    dequantized = dequantize_4bit(codes_t, state).numpy()
     np.testing.assert_array_equal(_bits(nf4_dequantize(layer.weight)), _bits(dequantized))
 
 
