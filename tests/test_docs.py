@@ -1,6 +1,6 @@
-"""The documentation runs: every docstring Example in rudax, the README's quickstart and
-examples/quickstart.py. The README's main job (examples/lm/train.py) takes minutes: its tiny
-configurations run in tests/lm/test_train.py."""
+"""The documentation runs: every docstring Example in rudax and examples/, the README's
+quickstart and examples/quickstart.py. The README's main job (examples/lm/train.py) takes
+minutes: its tiny configurations run in tests/lm/test_train.py."""
 
 import doctest
 import importlib
@@ -14,8 +14,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
-    for p in (ROOT / "rudax").rglob("*.py")
-    if p.name != "__init__.py"
+    for package in ("rudax", "examples")
+    for p in (ROOT / package).rglob("*.py")
+    if p.name not in ("__init__.py", "__main__.py")
 )
 
 

@@ -6,8 +6,6 @@ The Llama layouts (GQA, separate q/k/v, untied head, biases, Llama 3 RoPE) are c
 against transformers itself in tests/lm/test_hf.py.
 """
 
-import doctest
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +15,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import examples.lm.attention as attention
-import examples.lm.model as model_lib
-import examples.lm.moe as moe_lib
 import rudax.layers as rl
 import rudax.optim as ro
 import rudax.sharding as rs
@@ -584,9 +579,3 @@ def test_bad_input():
         MoE(4, 8, 2, top_k=1, impl="megablocks", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"MoE expects x.shape\[-1\] == 4"):
         MoE(4, 8, 2, top_k=1, rngs=nnx.Rngs(0))(jnp.ones((3, 5)))
-
-
-@pytest.mark.parametrize("module", [model_lib, attention, moe_lib])
-def test_docstring_examples(module):
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
