@@ -27,8 +27,11 @@ So rudax asks for Triton explicitly (Triton ``CompilerParams``, which also overr
 ``jax_pallas_use_mosaic_gpu`` flag). When a JAX release drops ``jax.experimental.pallas.triton``,
 ``gpu_lowering_available()`` turns False here and only here: ``impl="auto"`` then runs the exact
 XLA path and ``impl="pallas"`` says why it cannot; a Mosaic GPU port would slot in behind the
-same functions. Deprecation warnings from the Triton module are silenced here, on purpose and
-only here, because the choice above is deliberate.
+same functions. The Triton module's deprecation warnings at import and at ``CompilerParams``
+(jax 0.10.x) are silenced here, on purpose and only here, because the choice above is
+deliberate. jax 0.11.0 warns instead when a kernel is lowered, inside ``jax.jit``'s
+compilation, which no code here wraps: on 0.11 a GPU compile shows that DeprecationWarning
+once (``docs/versions.md``).
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ with warnings.catch_warnings():
 
 # The custom call a Pallas Triton kernel becomes in exported StableHLO. jax.export refuses
 # custom calls without a stability guarantee unless told, hence EXPORT_DISABLED_CHECKS.
-GPU_CUSTOM_CALL_TARGET = "__gpu$xla.gpu.triton"
+# jax 0.11.0 publishes the name (Pallas changelog: "always aligned with what the lowering
+# emits"), behind a switch that may change it; jax 0.10.2 has no constant, and emits this one.
+GPU_CUSTOM_CALL_TARGET: str = getattr(_triton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 EXPORT_DISABLED_CHECKS: tuple[jax.export.DisabledSafetyCheck, ...] = (
     jax.export.DisabledSafetyCheck.custom_call(GPU_CUSTOM_CALL_TARGET),
 )
@@ -197,7 +202,7 @@ def _typed_like(out_shape: Any, args: tuple) -> Any:
     the mesh axes; the kernels compute per rank on per-rank operands, so their outputs vary
     as their inputs do. Outside ``shard_map`` the structs are left as they are.
     """
-    mats = [getattr(jax.typeof(a), "mat", None) for a in jax.tree.leaves(args)]
+    mats = [_manual_axis_type(jax.typeof(a)) for a in jax.tree.leaves(args)]
     varying = [m for m in mats if m is not None and getattr(m, "varying", None)]
     if not varying:
         return out_shape
@@ -233,8 +238,8 @@ def store(ref: Any, value: jax.Array, *, mask: jax.Array | None = None) -> None:
 
 def varying_axes(x: ArrayLike) -> frozenset[Any]:
     """The mesh axes ``x`` varies over inside ``shard_map``; empty outside it or without
-    ``check_vma``. jax 0.10 keeps the set in ``aval.mat.varying``, earlier releases in
-    ``aval.vma``. Public as ``rudax.sharding.varying_axes``.
+    ``check_vma``. jax 0.10 and 0.11 keep the set in ``aval.manual_axis_type.varying``,
+    earlier releases in ``aval.vma``. Public as ``rudax.sharding.varying_axes``.
 
     Args:
       x: an array or tracer.
@@ -248,11 +253,16 @@ def varying_axes(x: ArrayLike) -> frozenset[Any]:
       >>> rs.varying_axes(jnp.ones(3))  # outside shard_map nothing varies
       frozenset()
     """
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
+    mat = _manual_axis_type(jax.typeof(x))
     if mat is not None and hasattr(mat, "varying"):
         return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
+    return frozenset(getattr(jax.typeof(x), "vma", ()))
+
+
+def _manual_axis_type(aval: Any) -> Any:
+    """``aval.manual_axis_type``, its documented name since jax 0.10.0 (``.mat`` is an alias)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat if mat is not None else getattr(aval, "mat", None)
 
 
 @overload

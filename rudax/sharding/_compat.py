@@ -4,7 +4,7 @@ shard_map tracks, per value, the mesh axes it varies over (``check_vma=True``, t
 a replicated parameter's gradient then arrives already summed over the ranks, and summing it
 again would count it N times. Collectives and ``DataParallel.reduce`` ask ``varying_axes``
 whether a value still varies before they sum. Where JAX keeps that set moved between
-releases: ``aval.mat.varying`` on jax 0.10, ``aval.vma`` before it (read in
+releases: ``aval.manual_axis_type.varying`` on jax 0.10 and 0.11, ``aval.vma`` before it (read in
 ``rudax/kernels/_compat.py``).
 """
 
