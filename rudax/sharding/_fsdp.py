@@ -37,12 +37,24 @@ class ShardedModule(nnx.Module):
     ``rudax.layers.Quantized`` one by ``p.gather()``: its bits are the weight, never cast):
     built by ``ShardingContext``, not directly.
 
+    A layer's RNG state (an ``nnx.Dropout``'s ``RngKey`` and ``RngCount``, as a
+    ``LoRALinear`` with ``dropout > 0`` holds) is kept whole, not sharded: pass it into
+    ``shard_map`` replicated (``P()``) and take it back out the same way. Each call draws
+    with the key folded with the rank (``jax.lax.axis_index(axis_name)``), so every rank's
+    rows get masks of their own, and advances the one count, the same on every rank.
+
     Args:
       graphdef: the original layer's graph definition.
       paths: each variable's path in the layer's state, in the order of ``variables``.
       variables: the sharded variables (values are ``ShardedParameter``).
       compute_dtype: dtype the floating Params and Frozen are cast to before the gather; None
         keeps storage.
+      rng_paths: each RNG variable's path, in the order of ``rng_variables``.
+      rng_variables: the layer's own ``nnx.RngState`` variables, unchanged.
+      axis_name: the mesh axis the ranks are numbered along (needed with RNG state).
+      deterministic: the layer's dropout mode, kept as this module's own attribute so that
+        ``model.eval()`` and ``model.train()`` (nnx's ``set_attributes``, which visit every
+        module that has it) reach the layer rebuilt at each call; None if it has none.
 
     Returns:
       A module; ``module(*args, **kwargs)`` returns what the layer returns.
@@ -54,11 +66,19 @@ class ShardedModule(nnx.Module):
         paths: tuple[tuple[Any, ...], ...],
         variables: list[nnx.Variable],
         compute_dtype: DTypeLike | None = None,
+        rng_paths: tuple[tuple[Any, ...], ...] = (),
+        rng_variables: list[nnx.Variable] | None = None,
+        axis_name: Any = None,
+        deterministic: bool | None = None,
     ):
         self.graphdef = graphdef
         self.paths = paths
         self.variables = nnx.List(variables)
         self.compute_dtype = compute_dtype
+        self.rng_paths = rng_paths
+        self.rng_variables = nnx.List(rng_variables or [])
+        self.axis_name = axis_name
+        self.deterministic = deterministic
 
     def gathered(self) -> nnx.Module:
         """The original layer with its logical parameter values (inside ``shard_map``)."""
@@ -66,7 +86,17 @@ class ShardedModule(nnx.Module):
             (path, type(var)(var.get_value().gather(_gather_dtype(var, self.compute_dtype))))
             for path, var in zip(self.paths, self.variables, strict=True)
         ]
-        return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
+        for path, var in zip(self.rng_paths, self.rng_variables, strict=True):
+            if isinstance(var, nnx.RngKey):
+                # A key of this rank's own; the count stays the shared variable itself, so
+                # nnx.merge hands the layer that object and the draw advances it.
+                rank = jax.lax.axis_index(self.axis_name)
+                var = var.replace(jax.random.fold_in(var.get_value(), rank))
+            flat.append((path, var))
+        layer = nnx.merge(self.graphdef, nnx.from_flat_state(flat))
+        if self.deterministic is not None:
+            layer.set_attributes(deterministic=self.deterministic, raise_if_not_found=False)
+        return layer
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.gathered()(*args, **kwargs)
@@ -163,24 +193,43 @@ class ShardingContext:
     def module(self, layer: nnx.Module, *, compute_dtype: DTypeLike | None = None) -> ShardedModule:
         """Any ``nnx.Module`` whose variables are all floating Params or Frozen, or Quantized.
 
-        An ``NF4Linear``, or a ``LoRALinear`` over one (QLoRA), included.
+        An ``NF4Linear``, or a ``LoRALinear`` over one (QLoRA), included. RNG state (a
+        ``LoRALinear``'s dropout key and count) is kept whole; see ``ShardedModule``.
         """
         if not isinstance(layer, nnx.Module):
             raise TypeError(f"layer must be an nnx.Module, got {type(layer).__name__}")
         compute_dtype = float_dtype("compute_dtype", compute_dtype)
+        modes = {
+            m.deterministic
+            for _, m in nnx.iter_graph(layer)
+            if isinstance(m, nnx.Module) and isinstance(getattr(m, "deterministic", None), bool)
+        }
         graphdef, state = nnx.split(layer)
-        paths, variables = [], []
+        paths, variables, rng_paths, rng_variables = [], [], [], []
         for path, _ in nnx.to_flat_state(state):
             var = _variable_at(layer, path)
+            if isinstance(var, nnx.RngState):  # a dropout's key and count: kept whole
+                rng_paths.append(path)
+                rng_variables.append(var)
+                continue
             if not isinstance(var, _SHARDABLE):
                 raise ValueError(
                     f"{type(layer).__name__}: variable {_keystr(path)} is a "
                     f"{type(var).__name__}; only nnx.Param and rudax.layers.Frozen are sharded "
-                    "(and an NF4Linear's rudax.layers.Quantized storage)"
+                    "(and an NF4Linear's rudax.layers.Quantized storage; RNG state is kept)"
                 )
             paths.append(path)
             variables.append(self.parameter(var))
-        return ShardedModule(graphdef, tuple(paths), variables, compute_dtype)
+        return ShardedModule(
+            graphdef,
+            tuple(paths),
+            variables,
+            compute_dtype,
+            rng_paths=tuple(rng_paths),
+            rng_variables=rng_variables,
+            axis_name=self.axis_name,
+            deterministic=modes.pop() if len(modes) == 1 else None,
+        )
 
     def _typed(
         self, name: str, layer: Any, cls: type[nnx.Module], compute_dtype: DTypeLike | None
