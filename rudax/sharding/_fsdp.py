@@ -200,12 +200,14 @@ class ShardingContext:
             raise TypeError(f"layer must be an nnx.Module, got {type(layer).__name__}")
         compute_dtype = float_dtype("compute_dtype", compute_dtype)
         modes = {
-            m.deterministic
+            mode
             for _, m in nnx.iter_graph(layer)
-            if isinstance(m, nnx.Module) and isinstance(getattr(m, "deterministic", None), bool)
+            if isinstance(m, nnx.Module)
+            and isinstance(mode := getattr(m, "deterministic", None), bool)
         }
         graphdef, state = nnx.split(layer)
-        paths, variables, rng_paths, rng_variables = [], [], [], []
+        paths, variables, rng_paths = [], [], []
+        rng_variables: list[nnx.Variable] = []
         for path, _ in nnx.to_flat_state(state):
             var = _variable_at(layer, path)
             if isinstance(var, nnx.RngState):  # a dropout's key and count: kept whole
