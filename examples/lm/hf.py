@@ -296,9 +296,10 @@ def load_hf(
 QUANTIZE = (None, "nf4")
 # Elements quantized per step. Small and of one size: each step's device copy and fp32
 # temporaries (about 1 MiB) are freed and the next step's take the same blocks, so glibc's
-# heap does not fill with holes of each tensor's size. With chunks of 2**20 the measured peak
-# of tests/lm/test_hf_nf4.py's load was 53-76 MB above the start, with 2**16 37-38 MB (its
-# bound: 42 MB); quantizing a 200M-parameter model this way is a few thousand small steps.
+# heap does not fill with holes of each tensor's size. Measured on an earlier, smaller
+# configuration of tests/lm/test_hf_nf4.py (before tensors were read into adopted memory):
+# a peak of 53-76 MB above the start with chunks of 2**20, 37-38 MB with 2**16, of a 42 MB
+# bound. Quantizing a 200M-parameter model this way is a few thousand small steps.
 _QUANTIZE_CHUNK = 2**16
 
 
