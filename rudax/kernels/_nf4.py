@@ -2,14 +2,13 @@
 
 The format is bitsandbytes' (``quantize_4bit(..., quant_type="nf4")``): the same 16 code
 values, the same nearest-code rule and tie, the same packing of two codes per byte, and the
-same fp32 arithmetic on the way back. Without double quantization the codes, the absmax and
-the dequantized weights equal bitsandbytes' bit for bit; with it, the NF4 codes, the
-256-block scales and the dequantization of a given state do, while two things may differ in
-the last bits: the offset (the fp32 mean of the absmax values: torch and XLA sum in
-different orders) and, for well under 1% of blocks, an 8-bit absmax code, which is then the
-neighbouring one (bitsandbytes' compiled CPU quantizer does not pick the nearest code for
-some values next to a midpoint; rudax does). ``tests/kernels/test_nf4.py`` checks all of it
-against bitsandbytes and against a numpy reference.
+same fp32 arithmetic on the way back. The codes, the absmax and the dequantized weights equal
+bitsandbytes' bit for bit. With double quantization so do the 8-bit absmax codes and their
+scales, for the offset they are computed from; bitsandbytes' CUDA and CPU kernels round
+some of those codes differently, and ``absmax_rounding`` picks which to reproduce. The offset
+itself (the fp32 mean of the absmax values) may differ in its last bit, since torch and XLA
+sum in different orders. ``tests/kernels/test_nf4.py`` checks all of it against
+bitsandbytes and against a numpy reference.
 
 Pure jnp: quantization runs once per weight, and dequantization is an elementwise gather and
 multiply that XLA fuses into its consumer. The dequantize-matmul kernel builds on this module.
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -168,37 +168,80 @@ def _quantize_nf4(x_NxB: jax.Array) -> tuple[jax.Array, jax.Array]:
     return absmax_N, index.astype(jnp.uint8)
 
 
-def _quantize_dynamic(x_MxK: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's absmax, and each value's nearest dynamic-map index after dividing by it.
+def _quantize_dynamic(x_MxK: jax.Array, rounding: str) -> tuple[jax.Array, jax.Array]:
+    """Each row's absmax, and each value's dynamic-map index after scaling by its reciprocal.
 
-    The rule of bitsandbytes' CPU blockwise quantizer as its source states it: a true
-    division, the code at or below the value, then the upper neighbour instead only if its
-    fp32 distance is strictly smaller (comparing fp32 distances is not comparing with fp32
-    midpoints: the two differ for values within an ulp or so of a midpoint). The compiled
-    bitsandbytes 0.50.2 departs from it for a few values near a midpoint (see the module
-    docstring).
+    ``rounding`` names the bitsandbytes kernel whose choice of code is reproduced: "cuda"
+    (``kQuantizeBlockwise``'s binary search) or "cpu" (``quantize_cpu_impl``'s table).
+    Both scale by the fp32 reciprocal of the absmax, as here; both give an all-zero row
+    code 0.
     """
     absmax_M = jnp.max(jnp.abs(x_MxK), axis=1)
-    # XLA rewrites a division by a broadcast into a multiplication by the reciprocal, which
-    # rounds twice; dividing by a gathered array of the same shape keeps the true division.
-    rows_MxK = jnp.arange(x_MxK.size, dtype=jnp.int32).reshape(x_MxK.shape) // x_MxK.shape[1]
-    scaled = x_MxK / absmax_M[rows_MxK]
-    code = jnp.asarray(DYNAMIC_CODE)
-    below = jnp.sum(scaled[..., None] >= code[1:], axis=-1, dtype=jnp.int32)
-    above = jnp.minimum(below + 1, code.shape[0] - 1)
-    closer = jnp.abs(scaled - code[above]) < jnp.abs(scaled - code[below])
-    index = jnp.where(closer, above, below)
+    nonzero_M = absmax_M > 0
+    inv_M = jnp.where(nonzero_M, jnp.float32(1.0) / jnp.where(nonzero_M, absmax_M, 1.0), 0.0)
+    scaled = x_MxK * inv_M[:, None]
+    index = _dynamic_index_cuda(scaled) if rounding == "cuda" else _dynamic_index_cpu(scaled)
+    index = jnp.where(nonzero_M[:, None], index, 0)
     return absmax_M, index.astype(jnp.uint8)
 
 
-def _double_quantize(absmax_N: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _dynamic_index_cuda(x: jax.Array) -> jax.Array:
+    """bitsandbytes' CUDA ``dQuantize``: a 7-step binary search, then a midpoint test.
+
+    The nearest code, except that a value exactly on a fp32 midpoint goes to whichever of its
+    two codes the search ended on. Written as the kernel's own steps, so that tie follows.
+    """
+    code = jnp.asarray(DYNAMIC_CODE)
+    pivot = jnp.full(x.shape, 127, jnp.int32)
+    lower_pivot = jnp.zeros(x.shape, jnp.int32)
+    upper_pivot = jnp.full(x.shape, code.shape[0] - 1, jnp.int32)
+    for step in (64, 32, 16, 8, 4, 2, 1):
+        above = x > code[pivot]
+        lower_pivot = jnp.where(above, pivot, lower_pivot)
+        upper_pivot = jnp.where(above, upper_pivot, pivot)
+        pivot = pivot + jnp.where(above, step, -step)
+    value = code[pivot]
+    up = jnp.where(x > (code[upper_pivot] + value) * 0.5, upper_pivot, pivot)
+    down = jnp.where(x < (code[lower_pivot] + value) * 0.5, lower_pivot, pivot)
+    return jnp.where(x > value, up, down)
+
+
+# bitsandbytes' CPU kernel looks codes up in a table of this many evenly spaced bins of
+# [-1, 1]: bin i holds the code nearest to -1 + 2i / (size - 1).
+_CPU_TABLE_SIZE = 65536
+
+
+@functools.cache
+def _cpu_table() -> np.ndarray:
+    bins = np.arange(_CPU_TABLE_SIZE, dtype=np.float32)
+    centres = np.float32(-1.0) + (np.float32(2.0) * bins) / np.float32(_CPU_TABLE_SIZE - 1)
+    # The count of fp32 midpoints strictly below each bin's centre.
+    return np.searchsorted(_midpoints(DYNAMIC_CODE), centres, side="left").astype(np.uint8)
+
+
+def _dynamic_index_cpu(x: jax.Array) -> jax.Array:
+    """bitsandbytes' CPU ``quantize_cpu_impl``: the code of the value's bin in the table.
+
+    The value's bin is ``trunc((clip(x, -1, 1) + 1) * 0.5 * 65535 + 0.5)``. A bin is about
+    3e-5 wide, so for values within half a bin of a midpoint this is not the nearest code
+    (about 1 in 1000 of a model's absmax values).
+    """
+    t = (jnp.clip(x, -1.0, 1.0) + 1.0) * 0.5
+    # float -> unsigned conversion truncates toward zero, as the C++ cast does.
+    bin_index = (t * np.float32(_CPU_TABLE_SIZE - 1) + 0.5).astype(jnp.uint16)
+    return jnp.asarray(_cpu_table())[bin_index.astype(jnp.int32)].astype(jnp.int32)
+
+
+def _double_quantize(
+    absmax_N: jax.Array, offset: jax.Array, rounding: str
+) -> tuple[jax.Array, jax.Array]:
     """``absmax - offset`` as 8-bit dynamic-map codes in blocks of 256, and their scales."""
     centred = absmax_N - offset
     n = centred.shape[0]
     padded = -(-n // ABSMAX_BLOCK_SIZE) * ABSMAX_BLOCK_SIZE
     # Zero padding changes no 256-block's absmax; the padded codes are dropped.
     centred_MxK = jnp.pad(centred, (0, padded - n)).reshape(-1, ABSMAX_BLOCK_SIZE)
-    scales_M, codes_MxK = _quantize_dynamic(centred_MxK)
+    scales_M, codes_MxK = _quantize_dynamic(centred_MxK, rounding)
     return codes_MxK.reshape(-1)[:n], scales_M
 
 
@@ -208,6 +251,7 @@ def nf4_quantize(
     block_size: int = 64,
     double_quant: bool = True,
     chunk_size: int | None = None,
+    absmax_rounding: Literal["cuda", "cpu"] = "cuda",
 ) -> NF4Tensor:
     """Quantizes a weight to 4-bit NormalFloat in blocks, as QLoRA and bitsandbytes do.
 
@@ -221,6 +265,12 @@ def nf4_quantize(
     8-bit codes of the signed dynamic map in blocks of 256, each with its fp32 absmax. That is
     ``8 / block_size + 32 / (256 block_size)`` bits per weight of overhead (0.127 at 64)
     instead of ``32 / block_size`` (0.5).
+
+    bitsandbytes' two kernels choose some 8-bit absmax codes differently, and
+    ``absmax_rounding`` says whose bytes to reproduce: "cuda" (the default: the kernel that
+    quantizes the checkpoints people share) takes the nearest code; "cpu" takes the code of the
+    value's bin in a 65,536-bin table, which is the farther neighbour for about 1 in 1000
+    values next to a midpoint. The 4-bit codes and the scales are the same under both.
 
     The weight's size must be a multiple of ``block_size`` (bitsandbytes also takes a short
     last block; rudax refuses it instead, as every matrix of a real model divides by 64).
@@ -238,6 +288,8 @@ def nf4_quantize(
       double_quant: quantize the absmax values too.
       chunk_size: values quantized per step, a positive multiple of ``block_size``; None
         quantizes the whole weight in one step.
+      absmax_rounding: "cuda" or "cpu": whose 8-bit absmax codes to match under
+        ``double_quant``.
 
     Returns:
       An ``NF4Tensor``.
@@ -260,6 +312,8 @@ def nf4_quantize(
     if not isinstance(w, jax.Array | np.ndarray):
         w = jnp.asarray(w)
     _check_weight(w, block_size)
+    if absmax_rounding not in ("cuda", "cpu"):
+        raise ValueError(f'absmax_rounding must be "cuda" or "cpu", got {absmax_rounding=}')
     if chunk_size is None:
         chunk_size = w.size
     elif (
@@ -282,7 +336,7 @@ def nf4_quantize(
     shape, dtype = tuple(w.shape), jnp.dtype(w.dtype)
     if not double_quant:
         return NF4Tensor(codes, absmax_N, None, None, None, shape, dtype, block_size)
-    absmax_codes, scales_M, offset = _double_quantize_all(absmax_N)
+    absmax_codes, scales_M, offset = _double_quantize_all(absmax_N, absmax_rounding)
     return NF4Tensor(codes, None, absmax_codes, scales_M, offset, shape, dtype, block_size)
 
 
@@ -298,10 +352,12 @@ def _quantize_blocks(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Arra
     return (pairs[:, 0] << 4) | pairs[:, 1], absmax_N
 
 
-@jax.jit
-def _double_quantize_all(absmax_N: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("rounding",))
+def _double_quantize_all(
+    absmax_N: jax.Array, rounding: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     offset = jnp.mean(absmax_N)
-    absmax_codes, scales_M = _double_quantize(absmax_N, offset)
+    absmax_codes, scales_M = _double_quantize(absmax_N, offset, rounding)
     return absmax_codes, scales_M, offset
 
 

@@ -49,19 +49,62 @@ def _np_nf4_quantize(w, block_size):
     return (index[0::2] << 4) | index[1::2], absmax.astype(np.float32)
 
 
-def _np_dynamic_quantize(x, block=256):
-    """bitsandbytes' CPU rule: divide, take the code at or below, move up if strictly nearer."""
+def _np_dquantize_cuda(x):
+    """bitsandbytes' CUDA ``dQuantize<0>`` (csrc/kernels.cu), one value at a time."""
+    code = _nf4.DYNAMIC_CODE
+    pivot, lower_pivot, upper_pivot = 127, 0, 255
+    lower, upper = np.float32(-1), np.float32(1)
+    val = code[pivot]
+    for i in (64, 32, 16, 8, 4, 2, 1):
+        if x > val:
+            lower_pivot, lower, pivot = pivot, val, pivot + i
+        else:
+            upper_pivot, upper, pivot = pivot, val, pivot - i
+        val = code[pivot]
+    if upper_pivot == 255:
+        upper = code[255]
+    if lower_pivot == 0:
+        lower = code[0]
+    if x > val:
+        return upper_pivot if x > (upper + val) * np.float32(0.5) else pivot
+    return lower_pivot if x < (lower + val) * np.float32(0.5) else pivot
+
+
+def _np_cpu_table():
+    """bitsandbytes' CPU ``build_quantize_lut`` (csrc/cpu_ops.cpp): 65,536 bins of [-1, 1],
+    each the code after the last fp32 midpoint below the bin's centre."""
+    code = _nf4.DYNAMIC_CODE
+    mids = [np.float32(0.5) * (code[k] + code[k + 1]) for k in range(255)]
+    table, k = np.zeros(65536, np.uint8), 0
+    for i in range(65536):
+        centre = np.float32(-1) + np.float32(2 * i) / np.float32(65535)
+        while k < 255 and mids[k] < centre:
+            k += 1
+        table[i] = k
+    return table
+
+
+_CPU_TABLE = _np_cpu_table()
+
+
+def _np_dynamic_quantize(x, rounding, block=256):
+    """bitsandbytes' blockwise 8-bit quantizer: scale by the fp32 reciprocal of each block's
+    absmax, then the CUDA kernel's search or the CPU kernel's table."""
     padded = np.zeros(-(-x.size // block) * block, np.float32)
     padded[: x.size] = x
     blocks = padded.reshape(-1, block)
     scales = np.abs(blocks).max(axis=1)
-    z = (blocks / scales[:, None]).reshape(-1)[: x.size]
-    code = _nf4.DYNAMIC_CODE
-    below = np.searchsorted(code, z, side="right") - 1
-    below = np.clip(below, 0, 255)
-    above = np.minimum(below + 1, 255)
-    nearer = np.abs(z - code[above]) < np.abs(z - code[below])
-    return np.where(nearer, above, below).astype(np.uint8), scales.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = (blocks * (np.float32(1) / scales)[:, None]).astype(np.float32)
+    z[scales == 0] = 0.0
+    z = z.reshape(-1)[: x.size]
+    if rounding == "cuda":
+        codes = np.array([_np_dquantize_cuda(v) for v in z], np.uint8)
+    else:
+        t = (np.clip(z, np.float32(-1), np.float32(1)) + np.float32(1)) * np.float32(0.5)
+        codes = _CPU_TABLE[(t * np.float32(65535) + np.float32(0.5)).astype(np.int64)]
+    codes[np.repeat(scales == 0, block)[: x.size]] = 0
+    return codes.astype(np.uint8), scales.astype(np.float32)
 
 
 def _np_nf4_dequantize(codes, absmax, shape, dtype, block_size):
@@ -150,14 +193,52 @@ def test_double_quant_dequantizes_bitsandbytes_state_bitwise(shape, dtype_name):
     # orders, so the last bits may differ.
     np.testing.assert_allclose(float(q.absmax_offset), state.offset.item(), rtol=4e-7)
     assert q.absmax_scales.shape == state.state2.absmax.shape
-    # The 8-bit absmax codes: bitsandbytes' compiled CPU quantizer picks the farther of two
-    # neighbouring codes for a few values next to a midpoint (its source's search and
-    # fp32-distance rule, emulated in numpy, do not reproduce it). Not bitwise yet: at least
-    # 99% equal, every other one a neighbour.
-    codes8 = np.asarray(q.absmax_codes).astype(np.int32)
-    codes8_t = state.absmax.numpy().astype(np.int32)
-    assert np.mean(codes8 == codes8_t) >= 0.99
-    assert np.max(np.abs(codes8 - codes8_t)) <= 1
+    # The 8-bit codes and scales, bitwise: bitsandbytes' own blockwise quantizer (its CPU
+    # kernel) on rudax's centred absmax, since the offsets may differ in their last bit.
+    q_cpu = nf4_quantize(w_j, double_quant=True, absmax_rounding="cpu")
+    absmax = np.asarray(nf4_quantize(w_j, double_quant=False).absmax)
+    centred = absmax - np.float32(q_cpu.absmax_offset)
+    codes8_t, state8 = bnbf.quantize_blockwise(torch.from_numpy(centred), blocksize=256)
+    np.testing.assert_array_equal(np.asarray(q_cpu.absmax_codes), codes8_t.numpy())
+    np.testing.assert_array_equal(_bits(q_cpu.absmax_scales), _bits(state8.absmax.numpy()))
+    np.testing.assert_array_equal(_bits(q.absmax_scales), _bits(state8.absmax.numpy()))
+
+
+def test_cpu_table_is_bitsandbytes_own():
+    """The CPU kernel's table, read back through bitsandbytes: each bin's centre (times an
+    absmax of 1) quantizes to the bin's code."""
+    bins = np.arange(65536, dtype=np.float32)
+    centres = np.float32(-1) + np.float32(2) * bins / np.float32(65535)
+    # Blocks of 256: a 1.0 (the block's absmax) and 255 centres.
+    rows = -(-centres.size // 255)
+    body = np.zeros(rows * 255, np.float32)
+    body[: centres.size] = centres
+    blocks = np.concatenate([np.ones((rows, 1), np.float32), body.reshape(rows, 255)], axis=1)
+    codes_t, _ = bnbf.quantize_blockwise(torch.from_numpy(blocks.reshape(-1)), blocksize=256)
+    codes = codes_t.numpy().reshape(rows, 256)[:, 1:].reshape(-1)[: centres.size]
+    np.testing.assert_array_equal(codes, _CPU_TABLE)
+
+
+def test_cuda_and_cpu_rounding_differ_only_next_to_a_midpoint():
+    """The two kernels' codes for a model's centred absmax: equal but for values within a
+    table bin of a midpoint, where they are neighbours; the CUDA one is then the nearer."""
+    w_j, _ = _weight((1024, 1024), "bfloat16", seed=5)
+    cuda = nf4_quantize(w_j, absmax_rounding="cuda")
+    cpu = nf4_quantize(w_j, absmax_rounding="cpu")
+    codes_cuda = np.asarray(cuda.absmax_codes).astype(np.int64)
+    codes_cpu = np.asarray(cpu.absmax_codes).astype(np.int64)
+    differ = codes_cuda != codes_cpu
+    assert 0 < differ.sum() < 0.01 * differ.size
+    assert np.max(np.abs(codes_cuda - codes_cpu)) == 1
+    absmax = np.asarray(nf4_quantize(w_j, double_quant=False).absmax)
+    z = (absmax - np.float32(cuda.absmax_offset)) / np.repeat(np.asarray(cuda.absmax_scales), 256)[
+        : absmax.size
+    ]
+    code = _nf4.DYNAMIC_CODE
+    near_cuda = np.abs(z - code[codes_cuda])[differ]
+    near_cpu = np.abs(z - code[codes_cpu])[differ]
+    assert np.all(near_cuda <= near_cpu)
+    assert np.max(np.abs(z[differ] - (code[codes_cuda] + code[codes_cpu])[differ] / 2)) < 3.1e-5
 
 
 # --- the numpy reference ---------------------------------------------------------------
@@ -179,9 +260,12 @@ def test_matches_numpy_reference(shape, dtype_name):
     np.testing.assert_array_equal(np.asarray(qd.codes), codes)
     offset = np.float32(qd.absmax_offset)
     np.testing.assert_allclose(offset, np.mean(absmax.astype(np.float64)), rtol=4e-7)
-    absmax_codes, scales = _np_dynamic_quantize(absmax - offset)
+    absmax_codes, scales = _np_dynamic_quantize(absmax - offset, "cuda")
     np.testing.assert_array_equal(np.asarray(qd.absmax_codes), absmax_codes)
     np.testing.assert_array_equal(_bits(qd.absmax_scales), _bits(scales))
+    q_cpu = nf4_quantize(w_j, double_quant=True, absmax_rounding="cpu")
+    cpu_codes, _ = _np_dynamic_quantize(absmax - np.float32(q_cpu.absmax_offset), "cpu")
+    np.testing.assert_array_equal(np.asarray(q_cpu.absmax_codes), cpu_codes)
     expected = _np_nf4_dequantize(
         codes, _np_absmax(absmax_codes, scales, offset), shape, np_dtype, 64
     )
@@ -283,11 +367,9 @@ def test_bad_inputs():
         nf4_dequantize(w)
 
 
-def test_dynamic_quantize_divides_exactly():
-    """Values a few ulps from the dynamic map's midpoints: x / absmax and x * (1 / absmax)
-    round to different sides for some of them, so XLA's rewrite of a division by a broadcast
-    into a multiplication by the reciprocal would change codes here."""
-    absmax = np.float32(0.7301)
+def _values_next_to_midpoints(absmax):
+    """Blocks of 256 whose first value is ``absmax`` and the rest the dynamic map's fp32
+    midpoints times ``absmax``, and the three fp32 values on either side of each."""
     mids = ((_nf4.DYNAMIC_CODE[:-1] + _nf4.DYNAMIC_CODE[1:]) / np.float32(2)).astype(np.float32)
     x = (mids * absmax).astype(np.float32)
     candidates = [x]
@@ -301,16 +383,47 @@ def test_dynamic_quantize_divides_exactly():
     rows = -(-values.size // 255)
     body = np.zeros(rows * 255, np.float32)
     body[: values.size] = values
-    blocks = np.concatenate([np.full((rows, 1), absmax), body.reshape(rows, 255)], axis=1)
-    scales, codes = jax.jit(_nf4._quantize_dynamic)(jnp.asarray(blocks))
-    expected_codes, expected_scales = _np_dynamic_quantize(blocks.reshape(-1))
+    return np.concatenate([np.full((rows, 1), absmax), body.reshape(rows, 255)], axis=1)
+
+
+@pytest.mark.parametrize("absmax", [np.float32(1.0), np.float32(0.7301)])
+@pytest.mark.parametrize("rounding", ["cuda", "cpu"])
+def test_dynamic_quantize_next_to_midpoints(rounding, absmax):
+    """Values on and a few ulps around every midpoint: the cases where the rounding rule,
+    the tie and scaling by the reciprocal rather than dividing all show."""
+    blocks = _values_next_to_midpoints(absmax)
+    quantize = jax.jit(_nf4._quantize_dynamic, static_argnames="rounding")
+    scales, codes = quantize(jnp.asarray(blocks), rounding=rounding)
+    expected_codes, expected_scales = _np_dynamic_quantize(blocks.reshape(-1), rounding)
     np.testing.assert_array_equal(np.asarray(codes).reshape(-1), expected_codes)
     np.testing.assert_array_equal(_bits(scales), _bits(expected_scales))
-    # The case this test is for exists in its input: the reciprocal's codes differ.
-    reciprocal = blocks * (np.float32(1) / absmax)
-    below = np.clip(np.searchsorted(_nf4.DYNAMIC_CODE, reciprocal, side="right") - 1, 0, 255)
-    above = np.minimum(below + 1, 255)
-    code = _nf4.DYNAMIC_CODE
-    nearer = np.abs(reciprocal - code[above]) < np.abs(reciprocal - code[below])
-    by_reciprocal = np.where(nearer, above, below).reshape(-1)
-    assert np.sum(by_reciprocal != expected_codes) > 0
+    if rounding == "cpu":
+        codes_t, state = bnbf.quantize_blockwise(
+            torch.from_numpy(blocks.reshape(-1)), blocksize=256
+        )
+        np.testing.assert_array_equal(np.asarray(codes).reshape(-1), codes_t.numpy())
+        np.testing.assert_array_equal(_bits(scales), _bits(state.absmax.numpy()))
+    elif absmax != 1:
+        # The case scaling by the reciprocal is for exists here: dividing changes codes.
+        divided = (blocks / absmax).astype(np.float32).reshape(-1)
+        by_division = np.array([_np_dquantize_cuda(v) for v in divided], np.uint8)
+        assert np.sum(by_division != expected_codes) > 0
+
+
+def test_dynamic_quantize_all_zero_block():
+    """Both bitsandbytes kernels give an all-zero block code 0 and scale 0."""
+    blocks = np.zeros((2, 256), np.float32)
+    blocks[1, :3] = [0.5, -0.25, 0.0]
+    for rounding in ("cuda", "cpu"):
+        scales, codes = _nf4._quantize_dynamic(jnp.asarray(blocks), rounding)
+        assert np.all(np.asarray(codes)[0] == 0) and float(scales[0]) == 0.0
+        expected, _ = _np_dynamic_quantize(blocks.reshape(-1), rounding)
+        np.testing.assert_array_equal(np.asarray(codes).reshape(-1), expected)
+    codes_t, _ = bnbf.quantize_blockwise(torch.from_numpy(blocks.reshape(-1)), blocksize=256)
+    np.testing.assert_array_equal(codes_t.numpy()[:256], 0)
+
+
+def test_absmax_rounding_is_checked():
+    w = jnp.ones((8, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r'absmax_rounding must be "cuda" or "cpu", got '):
+        nf4_quantize(w, absmax_rounding="gpu")
