@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.typing import ArrayLike
 
 from rudax._validation import STORAGE_DTYPES, check_power_of_two_fields
-from rudax.kernels import _compat
+from rudax.kernels import _compat, _platform
 from rudax.kernels._adamw_step import (
     NUM_SCALARS,
     adamw_step,
@@ -160,30 +160,44 @@ def update_leaf(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """One leaf's step on the resolved path, from ``prepare_step``'s scalars and arguments."""
     shape, n = param.shape, param.size
-    if impl == "xla" or n == 0:
-        return _update_reference(scalars, param, grad, exp_avg, exp_avg_sq, master, **flags)
+    if n == 0:
+        impl = "xla"  # nothing for a kernel to do, and no grid to launch
     has_master = master is not None
     operands = (param, grad, exp_avg, exp_avg_sq) + ((master,) if has_master else ())
-    block_size = block_size_for(n, block.size)
-    spec = pl.BlockSpec((block_size,), lambda i: (i,))
-    kernel = functools.partial(
-        _update_kernel,
-        num_elements=n,
-        block_size=block_size,
-        has_master=has_master,
-        **flags,
-    )
-    outs = _compat.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((n,), x.dtype) for i, x in enumerate(operands) if i != 1],
-        grid=(pl.cdiv(n, block_size),),
-        in_specs=[pl.BlockSpec((NUM_SCALARS,), lambda i: (0,))] + [spec] * len(operands),
-        out_specs=[spec] * (len(operands) - 1),
-        interpret=interpret,
-        num_warps=block.num_warps,
-        name="adamw_update",
-    )(scalars, *(x.reshape(n) for x in operands))
-    outs = [x.reshape(shape) for x in outs]
+
+    def xla(scalars, *operands):
+        param, grad, exp_avg, exp_avg_sq = operands[:4]
+        master = operands[4] if has_master else None
+        update, m, v, new_master = _update_reference(
+            scalars, param, grad, exp_avg, exp_avg_sq, master, **flags
+        )
+        return (update, m, v) if new_master is None else (update, m, v, new_master)
+
+    def pallas(scalars, *operands):
+        block_size = block_size_for(n, block.size)
+        spec = pl.BlockSpec((block_size,), lambda i: (i,))
+        kernel = functools.partial(
+            _update_kernel,
+            num_elements=n,
+            block_size=block_size,
+            has_master=has_master,
+            **flags,
+        )
+        outs = _compat.pallas_call(
+            kernel,
+            out_shape=[
+                jax.ShapeDtypeStruct((n,), x.dtype) for i, x in enumerate(operands) if i != 1
+            ],
+            grid=(pl.cdiv(n, block_size),),
+            in_specs=[pl.BlockSpec((NUM_SCALARS,), lambda i: (0,))] + [spec] * len(operands),
+            out_specs=[spec] * (len(operands) - 1),
+            interpret=interpret,
+            num_warps=block.num_warps,
+            name="adamw_update",
+        )(scalars, *(x.reshape(n) for x in operands))
+        return tuple(x.reshape(shape) for x in outs)
+
+    outs = _platform.run(impl, pallas, xla, scalars, *operands, name="adamw_update")
     return outs[0], outs[1], outs[2], outs[3] if has_master else None
 
 

@@ -1,6 +1,6 @@
 """The one place where rudax.kernels meets JAX versions and backends.
 
-Every kernel module asks this file which implementation to run (``resolve_impl``), how to
+Every kernel module asks this file which path its ``impl`` means (``resolve_impl``), how to
 call ``pallas_call`` for the GPU (``pallas_call``, ``gpu_compiler_params``) and how to read
 and write a masked block (``load``, ``store``); tests ask it what a GPU export contains
 (``GPU_CUSTOM_CALL_TARGET``, ``EXPORT_DISABLED_CHECKS``). No other kernel file imports a
@@ -36,10 +36,8 @@ once (``docs/versions.md``).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal, overload
 
@@ -67,30 +65,18 @@ EXPORT_DISABLED_CHECKS: tuple[jax.export.DisabledSafetyCheck, ...] = (
 )
 
 
-# Set by assume_gpu_backend: the backend resolve_impl plans for, when it is not the default.
-_ASSUMED_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "rudax_kernels_assumed_backend", default=None
-)
+def backends_are_initialized() -> bool:
+    """Whether JAX has started a backend (after which XLA_FLAGS is no longer read).
 
-
-@contextlib.contextmanager
-def assume_gpu_backend() -> Iterator[None]:
-    """Within it, ``resolve_impl`` plans for a GPU whatever the default backend is.
-
-    For ``jax.export(..., platforms=["cuda"])`` from a host without a GPU: the kernels are
-    lowered for the GPU they will run on, not for the CPU that traces them. Each op resolves
-    its ``impl`` in Python before entering its jitted body, so no trace cached under this
-    context is reused outside it.
+    ``jax._src.xla_bridge.backends_are_initialized``: private, present in jax 0.10.2 and
+    0.11; if a release drops it, the answer is taken as False.
     """
-    token = _ASSUMED_BACKEND.set("gpu")
     try:
-        yield
-    finally:
-        _ASSUMED_BACKEND.reset(token)
-
-
-def _backend() -> str:
-    return _ASSUMED_BACKEND.get() or jax.default_backend()
+        from jax._src import xla_bridge
+    except ImportError:
+        return False
+    check = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(check()) if check is not None else False
 
 
 def gpu_lowering_available() -> bool:
@@ -98,43 +84,43 @@ def gpu_lowering_available() -> bool:
     return _triton is not None
 
 
-def resolve_impl(impl: str, *, interpret: bool = False) -> Literal["pallas", "xla"]:
-    """Turns a kernel's ``impl`` argument into the path that runs.
+Path = Literal["auto", "pallas", "interpret", "xla"]
 
-    ``"auto"`` is Pallas on a GPU backend whose GPU lowering is available, XLA elsewhere;
-    ``"pallas"`` is Pallas (compiled on a GPU, interpreted anywhere with ``interpret=True``);
-    ``"xla"`` is the pure-jnp path. Call it in Python, outside the op's ``jax.jit``, so the
-    answer is not frozen into a cached trace (see ``assume_gpu_backend``).
+
+def resolve_impl(impl: str, *, interpret: bool = False) -> Path:
+    """Turns a kernel's ``impl`` argument into the path its jitted body takes.
+
+    Nothing here asks which backend is the default: the choice between Pallas and XLA is
+    made where the computation is lowered, per platform (``rudax.kernels._platform``).
+
+    * ``"auto"``: Pallas where lowered for a GPU, XLA elsewhere; ``"xla"`` when this JAX has
+      no GPU lowering for Pallas.
+    * ``"pallas"``: Pallas for a GPU; lowering for any other platform raises.
+    * ``"interpret"`` (``impl="pallas", interpret=True``): Pallas in interpret mode, anywhere.
+    * ``"xla"``: the pure-jnp path.
 
     Args:
       impl: ``"auto"``, ``"pallas"`` or ``"xla"``.
-      interpret: whether the caller runs Pallas in interpret mode.
+      interpret: whether Pallas, where it runs, runs in interpret mode.
 
     Returns:
-      ``"pallas"`` or ``"xla"``. A ValueError for any other ``impl``, or for ``"pallas"``
-      that cannot run here (not a GPU and not interpreted, or no GPU lowering in this JAX).
+      The path. A ValueError for any other ``impl``, or for ``"pallas"`` without
+      ``interpret`` when this JAX has no GPU lowering.
 
     Example:
       >>> resolve_impl("xla")
       'xla'
       >>> resolve_impl("pallas", interpret=True)
-      'pallas'
+      'interpret'
     """
     check_bool("interpret", interpret, allow_numpy=False)
     check_impl(impl)
-    on_gpu = _backend() == "gpu"
-    if impl == "auto":
-        return "pallas" if on_gpu and gpu_lowering_available() else "xla"
     if impl == "xla":
         return "xla"
+    if impl == "auto":
+        return "auto" if gpu_lowering_available() else "xla"
     if interpret:
-        return "pallas"
-    if not on_gpu:
-        raise ValueError(
-            f"impl='pallas' compiles for a GPU, but the default backend is "
-            f"{_backend()!r}: pass interpret=True to interpret the kernel, or "
-            f"impl='xla' (or 'auto') for the XLA path"
-        )
+        return "interpret"
     if not gpu_lowering_available():
         raise ValueError(
             f"impl='pallas' needs Pallas's Triton lowering, which jax {jax.__version__} does "

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from rudax._validation import check_bool, check_floating_leaves, check_power_of_two_fields
-from rudax.kernels import _compat
+from rudax.kernels import _compat, _platform
 from rudax.kernels._blocks import check_block
 
 
@@ -98,19 +98,24 @@ def _leaf_partials(
     """A leaf's partial sums of squares and of probes, at most block.max_partials of each."""
     n = g.size
     programs, chunk, sub = _chunking(n, block)
-    if impl == "xla":
+
+    def xla(g):
         x = jnp.pad(g.reshape(n).astype(jnp.float32), (0, programs * chunk - n))
         return _sums(x.reshape(programs, chunk), 1)
-    squares, probe = _compat.pallas_call(
-        functools.partial(_stats_kernel, num_elements=n, chunk=chunk, sub=sub),
-        out_shape=[jax.ShapeDtypeStruct((programs,), jnp.float32)] * 2,
-        grid=(programs,),
-        in_specs=[pl.BlockSpec((chunk,), lambda i: (i,))],
-        out_specs=[pl.BlockSpec((1,), lambda i: (i,))] * 2,
-        interpret=interpret,
-        num_warps=block.num_warps,
-        name="global_norm_partials",
-    )(g.reshape(n))
+
+    def pallas(g):
+        return _compat.pallas_call(
+            functools.partial(_stats_kernel, num_elements=n, chunk=chunk, sub=sub),
+            out_shape=[jax.ShapeDtypeStruct((programs,), jnp.float32)] * 2,
+            grid=(programs,),
+            in_specs=[pl.BlockSpec((chunk,), lambda i: (i,))],
+            out_specs=[pl.BlockSpec((1,), lambda i: (i,))] * 2,
+            interpret=interpret,
+            num_warps=block.num_warps,
+            name="global_norm_partials",
+        )(g.reshape(n))
+
+    squares, probe = _platform.run(impl, pallas, xla, g, name="global_norm_and_finite")
     return squares, probe
 
 

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rudax.kernels import _compat, _rowwise
+from rudax.kernels import _compat, _platform, _rowwise
 from rudax.kernels._rowwise import RowBlock
 
 
@@ -53,29 +53,35 @@ def _layer_norm_backward_kernel(x, g, scale, *rest, col_mask, features, has_bias
 @dataclasses.dataclass(frozen=True)
 class _Static:
     epsilon: float
-    path: str  # "pallas" or "xla", resolved before jit
+    path: str  # resolve_impl's answer: "auto", "pallas", "interpret" or "xla"
     interpret: bool
     block: RowBlock
     bias_dtype: jnp.dtype | None  # None: no bias
 
 
 def _layer_norm_forward(x_RxN, scale, bias, s: _Static):
-    features = x_RxN.shape[-1]
-    math = functools.partial(_layer_norm_kernel, epsilon=s.epsilon, features=features)
-    vectors = [scale] if bias is None else [scale, bias]
-    if s.path == "xla":
+    math = functools.partial(_layer_norm_kernel, epsilon=s.epsilon, features=x_RxN.shape[-1])
+
+    def xla(x_RxN, *vectors):
         f32 = jnp.float32
         y, stats = math(x_RxN.astype(f32), *(v.astype(f32) for v in vectors), col_mask=None)
-        return y.astype(x_RxN.dtype), stats
-    return _rowwise.forward(
-        math,
-        x_RxN,
-        vectors,
-        num_stats=2,
-        block=s.block,
-        interpret=s.interpret,
-        name="layer_norm_fwd",
-    )
+        return y.astype(x_RxN.dtype), *stats
+
+    def pallas(x_RxN, *vectors):
+        y, stats = _rowwise.forward(
+            math,
+            x_RxN,
+            vectors,
+            num_stats=2,
+            block=s.block,
+            interpret=s.interpret,
+            name="layer_norm_fwd",
+        )
+        return y, *stats
+
+    vectors = [scale] if bias is None else [scale, bias]
+    y, *stats = _platform.run(s.path, pallas, xla, x_RxN, *vectors, name="layer_norm")
+    return y, tuple(stats)
 
 
 def _layer_norm_backward(x_RxN, g_RxN, scale, stats, s: _Static):
@@ -83,23 +89,32 @@ def _layer_norm_backward(x_RxN, g_RxN, scale, stats, s: _Static):
     math = functools.partial(
         _layer_norm_backward_kernel, features=x_RxN.shape[-1], has_bias=has_bias
     )
-    if s.path == "xla":
+
+    def xla(x_RxN, g_RxN, scale, *stats):
         f32 = jnp.float32
         dx, row_partials = math(
             x_RxN.astype(f32), g_RxN.astype(f32), scale.astype(f32), *stats, col_mask=None
         )
-        return dx.astype(x_RxN.dtype), tuple(jnp.sum(p, axis=0) for p in row_partials)
-    return _rowwise.backward(
-        math,
-        x_RxN,
-        g_RxN,
-        [scale],
-        stats,
-        num_partials=2 if has_bias else 1,
-        block=s.block,
-        interpret=s.interpret,
-        name="layer_norm_bwd",
+        return dx.astype(x_RxN.dtype), *(jnp.sum(p, axis=0) for p in row_partials)
+
+    def pallas(x_RxN, g_RxN, scale, *stats):
+        dx, partials = _rowwise.backward(
+            math,
+            x_RxN,
+            g_RxN,
+            [scale],
+            stats,
+            num_partials=2 if has_bias else 1,
+            block=s.block,
+            interpret=s.interpret,
+            name="layer_norm_bwd",
+        )
+        return dx, *partials
+
+    dx, *partials = _platform.run(
+        s.path, pallas, xla, x_RxN, g_RxN, scale, *stats, name="layer_norm"
     )
+    return dx, tuple(partials)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

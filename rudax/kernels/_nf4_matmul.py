@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from rudax._validation import check_positive_int, check_power_of_two, float_dtype
-from rudax.kernels import _compat
+from rudax.kernels import _compat, _platform
 from rudax.kernels._blocks import check_block
 from rudax.kernels._nf4 import NF4_CODE, NF4Tensor, _absmax, nf4_dequantize
 
@@ -86,7 +86,7 @@ class NF4MatmulBlock:
 @dataclasses.dataclass(frozen=True)
 class _Static:
     dtype: jnp.dtype  # the compute dtype c
-    path: str  # "pallas" or "xla", resolved before jit
+    path: str  # resolve_impl's answer: "auto", "pallas", "interpret" or "xla"
     interpret: bool
     block: NF4MatmulBlock
 
@@ -262,18 +262,37 @@ def _pallas_backward(dy_RxN: jax.Array, q: NF4Tensor, s: _Static) -> jax.Array:
 
 
 def _forward(x_RxK: jax.Array, q: NF4Tensor, s: _Static) -> jax.Array:
-    if s.path == "xla":
+    def xla(x_RxK, q):
         w_NxK = nf4_dequantize(q, s.dtype)
         return lax.dot_general(x_RxK, w_NxK, (((1,), (1,)), ((), ())))
-    return _pallas_forward(x_RxK, q, s)
+
+    return _run(s, _pallas_forward, xla, x_RxK, q)
 
 
 def _backward(dy_RxN: jax.Array, q: NF4Tensor, s: _Static) -> jax.Array:
-    if s.path == "xla":
+    def xla(dy_RxN, q):
         # What autodiff of the forward's dot gives: dy contracted with W's N axis, in c.
         w_NxK = nf4_dequantize(q, s.dtype)
         return lax.dot_general(dy_RxN, w_NxK, (((1,), (0,)), ((), ())))
-    return _pallas_backward(dy_RxN, q, s)
+
+    return _run(s, _pallas_backward, xla, dy_RxN, q)
+
+
+def _run(s: _Static, pallas: Any, xla: Any, x: jax.Array, q: NF4Tensor) -> jax.Array:
+    """``_platform.run`` over the array and the weight's leaves."""
+    leaves, treedef = jax.tree.flatten(q)
+
+    def unflat(fn: Any, with_static: bool) -> Any:
+        def call(x, *leaves):
+            q = jax.tree.unflatten(treedef, leaves)
+            return (fn(x, q, s) if with_static else fn(x, q),)
+
+        return call
+
+    (y,) = _platform.run(
+        s.path, unflat(pallas, True), unflat(xla, False), x, *leaves, name="nf4_matmul"
+    )
+    return y
 
 
 # --- the public op -------------------------------------------------------------------------
@@ -389,8 +408,8 @@ def nf4_matmul(
       q: an ``NF4Tensor`` of a 2-D weight ``[N, K]`` (torch's ``[out, in]`` layout).
       dtype: the compute dtype c; None for x's.
       impl: ``"auto"`` (the Pallas kernels on a GPU, XLA elsewhere), ``"pallas"`` or
-        ``"xla"``. Resolved here, in Python, so a trace cached for one backend is never
-        reused for another.
+        ``"xla"``. Chosen where the computation is lowered, per platform (see
+        ``rms_norm``).
       block: the kernels' ``NF4MatmulBlock``; None for the default.
       interpret: run the Pallas kernels in interpret mode, on any backend (for tests).
 

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rudax.kernels import _compat, _rowwise
+from rudax.kernels import _compat, _platform, _rowwise
 from rudax.kernels._rowwise import RowBlock
 
 
@@ -37,20 +37,21 @@ def _rms_norm_backward_kernel(x, g, scale, rstd, *, col_mask, features):
 @dataclasses.dataclass(frozen=True)
 class _Static:
     epsilon: float
-    path: str  # "pallas" or "xla", resolved before jit
+    path: str  # resolve_impl's answer: "auto", "pallas", "interpret" or "xla"
     interpret: bool
     block: RowBlock
 
 
 def _rms_norm_forward(x_RxN, scale, s: _Static):
-    features = x_RxN.shape[-1]
-    math = functools.partial(_rms_norm_kernel, epsilon=s.epsilon, features=features)
-    if s.path == "xla":
+    math = functools.partial(_rms_norm_kernel, epsilon=s.epsilon, features=x_RxN.shape[-1])
+
+    def xla(x_RxN, scale):
         f32 = jnp.float32
-        y, stats = math(x_RxN.astype(f32), scale.astype(f32), col_mask=None)
-        y = y.astype(x_RxN.dtype)
-    else:
-        y, stats = _rowwise.forward(
+        y, (rstd,) = math(x_RxN.astype(f32), scale.astype(f32), col_mask=None)
+        return y.astype(x_RxN.dtype), rstd
+
+    def pallas(x_RxN, scale):
+        y, (rstd,) = _rowwise.forward(
             math,
             x_RxN,
             [scale],
@@ -59,29 +60,36 @@ def _rms_norm_forward(x_RxN, scale, s: _Static):
             interpret=s.interpret,
             name="rms_norm_fwd",
         )
-    return y, stats[0]
+        return y, rstd
+
+    return _platform.run(s.path, pallas, xla, x_RxN, scale, name="rms_norm")
 
 
 def _rms_norm_backward(x_RxN, g_RxN, scale, rstd, s: _Static):
     math = functools.partial(_rms_norm_backward_kernel, features=x_RxN.shape[-1])
-    if s.path == "xla":
+
+    def xla(x_RxN, g_RxN, scale, rstd):
         f32 = jnp.float32
         dx, (dscale_rows,) = math(
             x_RxN.astype(f32), g_RxN.astype(f32), scale.astype(f32), rstd, col_mask=None
         )
         return dx.astype(x_RxN.dtype), jnp.sum(dscale_rows, axis=0)
-    dx, (dscale,) = _rowwise.backward(
-        math,
-        x_RxN,
-        g_RxN,
-        [scale],
-        [rstd],
-        num_partials=1,
-        block=s.block,
-        interpret=s.interpret,
-        name="rms_norm_bwd",
-    )
-    return dx, dscale
+
+    def pallas(x_RxN, g_RxN, scale, rstd):
+        dx, (dscale,) = _rowwise.backward(
+            math,
+            x_RxN,
+            g_RxN,
+            [scale],
+            [rstd],
+            num_partials=1,
+            block=s.block,
+            interpret=s.interpret,
+            name="rms_norm_bwd",
+        )
+        return dx, dscale
+
+    return _platform.run(s.path, pallas, xla, x_RxN, g_RxN, scale, rstd, name="rms_norm")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -142,7 +150,10 @@ def rms_norm(
       x: activations ``[..., N]``, any floating dtype.
       scale: ``[N]``, x's dtype or float32.
       epsilon: added to the mean square; a Python number > 0.
-      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``. The
+        choice is made where the computation is lowered, per platform, so one trace
+        exported with ``jax.export(..., platforms=["cuda", "cpu"])`` runs the kernel on CUDA
+        and XLA on the CPU; ``"pallas"`` lowered for a platform other than a GPU raises.
       interpret: run the Pallas kernels in interpret mode (any backend; for tests).
       block: Pallas block sizes; None picks them from the shape.
 

@@ -94,14 +94,14 @@ def _check_vector(name: str, v: Any, x: Any) -> None:
 def _choose_path(impl: str, interpret: bool, x: jax.Array) -> str:
     """resolve_impl, then XLA for rows too wide for one block (or an error if forced)."""
     path = _compat.resolve_impl(impl, interpret=interpret)
-    if path == "pallas" and x.shape[-1] > MAX_FEATURES:
+    if path != "xla" and x.shape[-1] > MAX_FEATURES:
         if impl == "auto":
             return "xla"
         raise ValueError(
             f"impl='pallas' takes at most {MAX_FEATURES} features per row, got "
             f"x.shape={x.shape}: use impl='xla' (or 'auto')"
         )
-    if path == "pallas" and x.size == 0:
+    if path != "xla" and x.size == 0:
         return "xla"  # no rows: nothing for a kernel to do, and no grid to launch
     return path
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from rudax._validation import check_power_of_two_fields
-from rudax.kernels import _compat
+from rudax.kernels import _compat, _platform
 from rudax.kernels._blocks import block_size_for, check_block, load_block, tail_mask
 
 # The Triton lowering computes a block's start, program_id * block_size, in int32: with 1-D
@@ -115,9 +115,13 @@ def _elementwise_call(
 def _silu_mul_forward(
     gate: jax.Array, up: jax.Array, impl: str, interpret: bool, block: SiluMulBlock
 ) -> jax.Array:
-    if impl == "xla" or gate.size == 0:
-        return silu_mul_reference(gate, up)
-    (out,) = _elementwise_call(_silu_mul_kernel, "silu_mul_fwd", 1, block, interpret, gate, up)
+    def pallas(gate, up):
+        return _elementwise_call(_silu_mul_kernel, "silu_mul_fwd", 1, block, interpret, gate, up)
+
+    def xla(gate, up):
+        return (silu_mul_reference(gate, up),)
+
+    (out,) = _platform.run(impl, pallas, xla, gate, up, name="silu_mul")
     return out
 
 
@@ -129,13 +133,17 @@ def _silu_mul_backward(
     interpret: bool,
     block: SiluMulBlock,
 ) -> tuple[jax.Array, jax.Array]:
-    if impl == "xla" or gate.size == 0:
+    def pallas(gate, up, d_out):
+        return _elementwise_call(
+            _silu_mul_backward_kernel, "silu_mul_bwd", 2, block, interpret, gate, up, d_out
+        )
+
+    def xla(gate, up, d_out):
         dtype = _compute_dtype(gate.dtype)
         d_gate, d_up = _backward_math(gate.astype(dtype), up.astype(dtype), d_out.astype(dtype))
         return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
-    d_gate, d_up = _elementwise_call(
-        _silu_mul_backward_kernel, "silu_mul_bwd", 2, block, interpret, gate, up, d_out
-    )
+
+    d_gate, d_up = _platform.run(impl, pallas, xla, gate, up, d_out, name="silu_mul")
     return d_gate, d_up
 
 
@@ -219,8 +227,8 @@ def silu_mul(
       up: the up projection, the same shape and dtype as ``gate``.
       impl: ``"auto"`` (the Pallas kernel on a GPU for up to 2**31 - 1 elements, XLA
         otherwise), ``"pallas"`` or ``"xla"`` (``silu_mul_reference``'s math, with the same
-        recomputing backward). Resolved here, in Python, so a trace cached for one backend
-        is never reused for another.
+        recomputing backward). Chosen where the computation is lowered, per platform: one
+        trace exported for CUDA and the CPU holds the kernel for CUDA and XLA for the CPU.
       interpret: run the Pallas kernel in interpret mode, on any backend (for tests).
       block: the kernels' ``SiluMulBlock``; None for the default.
 
@@ -252,7 +260,9 @@ def silu_mul(
     if block is None:
         block = SiluMulBlock()
     resolved = _compat.resolve_impl(impl, interpret=interpret)
-    if resolved == "pallas" and gate.size > _MAX_PALLAS_ELEMENTS:
+    if gate.size == 0:
+        resolved = "xla"  # nothing for a kernel to do, and no grid to launch
+    if resolved != "xla" and gate.size > _MAX_PALLAS_ELEMENTS:
         if impl == "pallas":
             raise ValueError(
                 f"impl='pallas' runs arrays of at most {_MAX_PALLAS_ELEMENTS} elements, got "

@@ -2,8 +2,10 @@
 
 Interpret mode hides what only the GPU lowering checks (power-of-two block shapes, supported
 primitives inside the kernel, Triton's tensor-size limit). Exporting for CUDA runs that
-lowering here, without a GPU. The export must contain rudax's GPU custom call and, by name,
-every Pallas kernel the caller expects, so an op that quietly fell back to XLA cannot pass.
+lowering here, without a GPU: the kernels choose Pallas where they are lowered for CUDA, so
+``impl="pallas"`` (or ``"auto"``) exports from this CPU host as it is. The export must
+contain rudax's GPU custom call and, by name, every Pallas kernel the caller expects, so an
+op that quietly fell back to XLA cannot pass.
 
 Usage, in a kernel's test file::
 
@@ -28,18 +30,28 @@ import jax.numpy as jnp
 from rudax.kernels import _compat
 
 
+def export(
+    fn: Callable[..., Any], *args: Any, platforms: Sequence[str] = ("cuda",)
+) -> jax.export.Exported:
+    """``jax.export`` of ``jax.jit(fn)`` for ``platforms``, GPU custom calls allowed."""
+    return jax.export.export(
+        jax.jit(fn),
+        platforms=list(platforms),
+        disabled_checks=list(_compat.EXPORT_DISABLED_CHECKS),
+    )(*args)
+
+
+def gpu_calls(text: str) -> int:
+    """How many Pallas GPU kernel calls an export's StableHLO text holds."""
+    return text.count(f"custom_call @{_compat.GPU_CUSTOM_CALL_TARGET}(")
+
+
 def _export_text(fn: Callable[..., Any], *args: jax.ShapeDtypeStruct) -> str:
-    with _compat.assume_gpu_backend():
-        exported = jax.export.export(
-            jax.jit(fn),
-            platforms=["cuda"],
-            disabled_checks=list(_compat.EXPORT_DISABLED_CHECKS),
-        )(*args)
-    return exported.mlir_module()
+    return export(fn, *args).mlir_module()
 
 
 def _check(text: str, kernels: Sequence[str], what: str) -> None:
-    calls = text.count(f"custom_call @{_compat.GPU_CUSTOM_CALL_TARGET}(")
+    calls = gpu_calls(text)
     assert calls >= max(1, len(kernels)), (
         f"{what}: expected {max(1, len(kernels))} GPU kernel call(s) "
         f"({_compat.GPU_CUSTOM_CALL_TARGET}), found {calls}: did the op fall back to XLA?"

@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rudax.kernels as rk
-from rudax.kernels import _compat, _nf4, _nf4_matmul
+from rudax.kernels import _nf4, _nf4_matmul
 from rudax.layers._matmul import rows_matmul
-from tests.kernels._lowering import assert_lowers_for_gpu
+from tests.kernels._lowering import assert_lowers_for_gpu, export, gpu_calls
 
 ON_GPU = jax.default_backend() == "gpu"
 # Compiled on a GPU (benchmarks/gpu_check.sh), interpreted elsewhere.
@@ -114,9 +114,9 @@ def _assert_within(got, exact, bound, what):
     got64 = np.asarray(got, np.float64).reshape(exact.shape)
     err = np.abs(got64 - exact)
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert np.all(err <= bound), (
-        f"{what}: |error| {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
-    )
+    assert np.all(
+        err <= bound
+    ), f"{what}: |error| {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -378,24 +378,26 @@ def test_pallas_refuses_what_it_does_not_take():
         x = jnp.ones((3, 96), jnp.float64)
         with pytest.raises(ValueError, match=r"impl='pallas' computes in float32.*dtype=float64"):
             rk.nf4_matmul(x, q, impl="pallas", interpret=True)
-        with _compat.assume_gpu_backend():  # "auto" takes the XLA path for it instead
-            jaxpr = str(jax.make_jaxpr(lambda x: rk.nf4_matmul(x, q))(x))
-            assert "pallas_call" not in jaxpr and "f64[3,40]" in jaxpr
+        # "auto" takes the XLA path for it instead, on every platform.
+        jaxpr = str(jax.make_jaxpr(lambda x: rk.nf4_matmul(x, q))(x))
+        assert "rudax_on_platform" not in jaxpr and "f64[3,40]" in jaxpr
     if not ON_GPU:
         with pytest.raises(ValueError, match="interpret=True"):
             rk.nf4_matmul(jnp.ones((3, 96)), q, impl="pallas")
 
 
 def test_auto_takes_the_kernel_on_a_gpu_and_xla_otherwise():
-    """Traced only: under assume_gpu_backend "auto" is the kernel, but not for zero rows."""
+    """Traced: "auto" binds the per-platform call, but not for zero rows. Exported: the
+    kernel for CUDA, none for the CPU."""
     q = _weight_and_q(40, 96)
     # A new function per trace: make_jaxpr caches traces by function, as jit does.
     jaxpr = lambda x: str(jax.make_jaxpr(lambda x: rk.nf4_matmul(x, q))(x))
     x = jax.ShapeDtypeStruct((3, 96), jnp.bfloat16)
-    assert ON_GPU or "pallas_call" not in jaxpr(x)
-    with _compat.assume_gpu_backend():
-        assert "pallas_call" in jaxpr(x)
-        assert "pallas_call" not in jaxpr(jax.ShapeDtypeStruct((0, 96), jnp.bfloat16))
+    assert "rudax_on_platform" in jaxpr(x)
+    assert "rudax_on_platform" not in jaxpr(jax.ShapeDtypeStruct((0, 96), jnp.bfloat16))
+    op = lambda x: rk.nf4_matmul(x, q)
+    assert gpu_calls(export(op, x, platforms=["cuda"]).mlir_module()) == 1
+    assert gpu_calls(export(op, x, platforms=["cpu"]).mlir_module()) == 0
 
 
 @pytest.mark.parametrize(
