@@ -55,6 +55,7 @@ RUN_KEYS = (
     "steps",
     "mesh",
     "eval_batches",  # the validation loss's definition
+    "deterministic",
     "architecture",  # not a flag: the model fields an --init-from HF directory decided
 )
 
@@ -252,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DTYPES,
         default="bfloat16",
         help="parameter storage dtype (the optimizer keeps fp32 master weights)",
+    )
+    model.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical runs on a GPU: XLA's deterministic GPU ops, and the embedding's "
+        "gradient summed by a sorted segment sum instead of scatter-add atomics",
     )
     model.add_argument(
         "--compute-dtype",

@@ -98,6 +98,8 @@ class GPTConfig:
         (``rudax.kernels.linear_cross_entropy``), which never holds the whole ``[B, T, V]``
         logits; None computes the full logits and differentiates them plainly. The loss is
         the same up to float summation order.
+      embedding_backward: how the input embedding's gradient is summed, ``"scatter"`` or
+        ``"sorted"`` (no scatter-add atomics on a GPU: ``rudax.layers.Embedding``).
 
     Example:
       >>> from examples.lm.model import GPTConfig
@@ -129,6 +131,7 @@ class GPTConfig:
     fused_qkv: bool = True
     qkv_bias: bool = False
     rope_scaling: Llama3RopeScaling | None = None
+    embedding_backward: str = "scatter"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -154,6 +157,11 @@ class GPTConfig:
             )
         for name in ("tie_embeddings", "fused_qkv", "qkv_bias"):
             check_bool(name, getattr(self, name))
+        if self.embedding_backward not in ("scatter", "sorted"):
+            raise ValueError(
+                f'embedding_backward must be "scatter" or "sorted", got '
+                f"embedding_backward={self.embedding_backward!r}"
+            )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise TypeError(
                 f"rope_scaling must be None or a Llama3RopeScaling, got "
@@ -345,6 +353,7 @@ class GPT(nnx.Module):
             rngs=rngs,
         )
         self.embed = table()
+        self.embed.backward = c.embedding_backward  # the head's table is never looked up
         self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
         self.norm = rl.RMSNorm(
             c.d_model, epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype

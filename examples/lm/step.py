@@ -66,6 +66,7 @@ def model_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPT
         num_experts=args.num_experts if args.moe else 0,
         top_k=args.top_k,
         moe_aux_weight=args.moe_aux_weight,
+        embedding_backward="sorted" if getattr(args, "deterministic", False) else "scatter",
     )
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -49,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 import rudax.checkpoint as rc
+import rudax.kernels as rk
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import config as cfg
@@ -123,6 +125,8 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     else:
         hf_dir = None
     cfg.check(args)
+    if args.deterministic:
+        _deterministic_xla()
     if args.tensorboard:
         _check_tensorboard()  # now, not when the first metrics row is written
     run_config = cfg.run_config(args)
@@ -430,6 +434,7 @@ def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
     except FileNotFoundError:
         raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
     saved.setdefault("architecture", None)  # runs from before --init-from took HF directories
+    saved.setdefault("deterministic", False)  # runs from before --deterministic
     conflicts = [
         f"--{key.replace('_', '-')} {getattr(args, key)!r} (the run has {saved[key]!r})"
         for key in cfg.RUN_KEYS
@@ -439,6 +444,21 @@ def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
         raise UsageError("--resume: flags differ from the run's: " + "; ".join(conflicts))
     for key in cfg.RUN_KEYS:
         setattr(args, key, saved[key])
+
+
+def _deterministic_xla() -> None:
+    """--deterministic: XLA's deterministic GPU ops, set before JAX starts a backend.
+
+    In a process that started JAX already (a test calling ``main``) that is too late; there
+    it is an error on a GPU, where the flags matter, and nothing on the CPU, whose XLA
+    sums scatters in order anyway.
+    """
+    try:
+        rk.enable_deterministic_gpu()
+    except RuntimeError as e:
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        if jax.default_backend() == "gpu" and not set(rk.DETERMINISTIC_XLA_FLAGS) <= set(flags):
+            raise UsageError(f"--deterministic: {e}") from None
 
 
 def _default_data_dir(data: str | None) -> str:

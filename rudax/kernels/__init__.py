@@ -15,6 +15,8 @@ kernel. Each op's ``*_reference`` is the pure-jnp definition it is tested agains
 from rudax.kernels._adamw import AdamWBlock as AdamWBlock
 from rudax.kernels._adamw import adamw_update as adamw_update
 from rudax.kernels._adamw import adamw_update_reference as adamw_update_reference
+from rudax.kernels._determinism import DETERMINISTIC_XLA_FLAGS as DETERMINISTIC_XLA_FLAGS
+from rudax.kernels._determinism import enable_deterministic_gpu as enable_deterministic_gpu
 from rudax.kernels._global_norm import GlobalNormBlock as GlobalNormBlock
 from rudax.kernels._global_norm import global_norm_and_finite as global_norm_and_finite
 from rudax.kernels._global_norm import (
@@ -49,6 +51,7 @@ from rudax.kernels._silu_mul import silu_mul as silu_mul
 from rudax.kernels._silu_mul import silu_mul_reference as silu_mul_reference
 
 __all__: list[str] = [
+    "DETERMINISTIC_XLA_FLAGS",
     "AdamWBlock",
     "GlobalNormBlock",
     "NF4MatmulBlock",
@@ -57,6 +60,7 @@ __all__: list[str] = [
     "SiluMulBlock",
     "adamw_update",
     "adamw_update_reference",
+    "enable_deterministic_gpu",
     "global_norm_and_finite",
     "global_norm_and_finite_reference",
     "layer_norm",

@@ -21,6 +21,8 @@ from rudax.layers._dtype import to_dtype as to_dtype
 from rudax.layers._embedding import Embedding as Embedding
 from rudax.layers._embedding import TiedProjection as TiedProjection
 from rudax.layers._linear import Linear as Linear
+from rudax.layers._lookup import lookup as lookup
+from rudax.layers._lookup import sorted_segment_sum as sorted_segment_sum
 from rudax.layers._lora import Frozen as Frozen
 from rudax.layers._lora import LoRALinear as LoRALinear
 from rudax.layers._lora import LoRAParam as LoRAParam
@@ -48,8 +50,10 @@ __all__ = [
     "TiedProjection",
     "apply_lora",
     "load_adapter",
+    "lookup",
     "lora_state",
     "merge_lora",
     "save_adapter",
+    "sorted_segment_sum",
     "to_dtype",
 ]

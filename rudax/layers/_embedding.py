@@ -8,6 +8,7 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_positive_int, float_dtype
+from rudax.layers._lookup import BACKWARDS, Backward, lookup
 from rudax.layers._matmul import rows_matmul
 from rudax.layers._validation import check_features
 
@@ -31,6 +32,11 @@ class Embedding(nnx.Module):
       param_dtype: storage dtype of the table.
       embedding_init: initializer of the ``[num_embeddings, features]`` table; flax's default,
         N(0, 1 / features) (torch's ``nn.Embedding`` draws N(0, 1)).
+      backward: how the table's gradient is summed: ``"scatter"`` (autodiff's scatter-add,
+        which a GPU runs with atomics, in an order that changes from run to run) or
+        ``"sorted"`` (a sorted segment sum with no scatter, in a fixed order: for
+        bit-identical GPU runs; see ``rudax.layers.lookup``). An attribute: it may be set
+        after construction.
       rngs: the ``nnx.Rngs`` whose ``params`` stream draws the table.
 
     Returns:
@@ -58,9 +64,13 @@ class Embedding(nnx.Module):
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
         embedding_init: nnx.Initializer = _DEFAULT_EMBEDDING_INIT,
+        backward: Backward = "scatter",
         rngs: nnx.Rngs,
     ):
         check_positive_int("num_embeddings", num_embeddings)
+        if backward not in BACKWARDS:
+            raise ValueError(f'backward must be "scatter" or "sorted", got {backward=}')
+        self.backward: Backward = backward
         check_positive_int("features", features)
         self.dtype = float_dtype("dtype", dtype)
         param_dtype = float_dtype("param_dtype", param_dtype, allow_none=False)
@@ -74,10 +84,7 @@ class Embedding(nnx.Module):
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"Embedding expects integer ids, got ids.dtype={ids.dtype}")
-        # NumPy indexing (jnp.take's too) wraps -1..-V to the last rows; a negative id is as
-        # wrong as one >= V, so both fill NaN, and their rows get no gradient.
-        table = self.embedding[...]
-        rows = table.at[ids].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
+        rows = lookup(self.embedding[...], ids, backward=self.backward)
         return rows if self.dtype is None else rows.astype(self.dtype)
 
 
