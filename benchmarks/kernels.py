@@ -9,6 +9,8 @@ same minute:
   plain autodiff, the baseline its speed ratios are taken against;
 - fused AdamW (`rudax.optim.fused_adamw`, clipping included) at 125M fp32 parameters, against
   the unfused `chain(clip_by_global_norm, adamw)` it equals;
+- linear_cross_entropy, forward + backward, against the whole logits under autodiff
+  (default 8192 tokens, 2048 features, vocabulary 32768);
 - nf4_matmul, forward + backward (dx), x (tokens, in) bf16 times an NF4 weight (out, in)
   (default 4096 tokens, 4096 x 4096), against its XLA path (dequantize, then dot) and a dense
   bf16 weight's matmul (what the NF4 base replaces).
@@ -18,7 +20,7 @@ Python, not a kernel). On GPU the Pallas paths run against their XLA fallbacks.
 
     python -m benchmarks.kernels                     # full sizes
     python -m benchmarks.kernels --rows 1024 --features 1024 --adamw-params 4000000 \
-        --nf4-tokens 256 --nf4-features 1024
+        --nf4-tokens 256 --nf4-features 1024 --loss-tokens 512 --loss-features 256 --vocab 4096
 """
 
 from __future__ import annotations
@@ -135,6 +137,25 @@ def nf4_matmul_arms(impls: list[str], tokens: int, features: int, out_features: 
     return arms
 
 
+def loss_arms(tokens: int, features: int, vocab: int) -> dict:
+    """Forward + backward (features and table) of the summed cross entropy over the vocabulary:
+    ``linear_cross_entropy`` (chunked, never the whole [N, V] logits) against its reference
+    (the whole logits, differentiated by autodiff), both computing in bf16."""
+    kx, kw, kl = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (tokens, features), jnp.float32).astype(jnp.bfloat16)
+    table = (0.02 * jax.random.normal(kw, (vocab, features), jnp.float32)).astype(jnp.bfloat16)
+    labels = jax.random.randint(kl, (tokens,), 0, vocab)
+
+    def fwd_bwd(loss):
+        step = jax.jit(jax.value_and_grad(lambda x, t: loss(x, t, labels)[0], argnums=(0, 1)))
+        return lambda: step(x, table)
+
+    return {
+        "full logits + autodiff": fwd_bwd(rk.linear_cross_entropy_reference),
+        "linear_cross_entropy": fwd_bwd(rk.linear_cross_entropy),
+    }
+
+
 def report(title: str, times: dict, bytes_per_call: dict, baseline: str, rows: list) -> None:
     copy_name = next(n for n in times if n.startswith("copy"))
     print(f"\n{title}")
@@ -161,6 +182,15 @@ def report(title: str, times: dict, bytes_per_call: dict, baseline: str, rows: l
         )
 
 
+def _write(path: str | None, rows: list) -> None:
+    """The rows so far: a run cut short still leaves every finished group's figures."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(
+                dict(jax=jax.__version__, device=str(jax.devices()[0]), rows=rows), f, indent=1
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192)
@@ -168,6 +198,9 @@ def main() -> None:
     parser.add_argument("--adamw-params", type=int, default=125_000_000)
     parser.add_argument("--nf4-tokens", type=int, default=4096, help="rows of x for nf4_matmul")
     parser.add_argument("--nf4-features", type=int, default=4096, help="in = out features")
+    parser.add_argument("--loss-tokens", type=int, default=8192, help="rows of the loss's input")
+    parser.add_argument("--loss-features", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32768, help="the loss's vocabulary")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json", help="also write the table rows to this file")
@@ -197,6 +230,7 @@ def main() -> None:
         bytes_per_call["copy (x + 1, in place)"] = 2 * 2 * n
         times = alternate(arms, rounds=args.rounds, iters=args.iters)
         report(f"{op} fwd+bwd {shape} bf16", times, bytes_per_call, f"{op} autodiff", rows)
+        _write(args.json, rows)
 
     arms = adamw_arms(impls, args.adamw_params)
     arms["copy (x + 1, in place)"] = copy_arm(args.adamw_params, jnp.float32)
@@ -211,6 +245,7 @@ def main() -> None:
         "adamw unfused chain",
         rows,
     )
+    _write(args.json, rows)
 
     t, d = args.nf4_tokens, args.nf4_features
     arms = nf4_matmul_arms(impls, t, d, d)
@@ -229,12 +264,24 @@ def main() -> None:
         "nf4_matmul xla",
         rows,
     )
+    _write(args.json, rows)
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(jax=jax.__version__, device=str(jax.devices()[0]), rows=rows), f, indent=1
-            )
+    t, d, v = args.loss_tokens, args.loss_features, args.vocab
+    arms = loss_arms(t, d, v)
+    arms["copy (x + 1, in place)"] = copy_arm(t * d, jnp.bfloat16)
+    # Least traffic: read x and the table twice (forward, backward), write dx and dtable.
+    bytes_per_call = {name: 2 * 3 * (t * d + v * d) for name in arms}
+    bytes_per_call["copy (x + 1, in place)"] = 2 * 2 * t * d
+    times = alternate(arms, rounds=args.rounds, iters=args.iters)
+    report(
+        f"cross entropy fwd+bwd, x ({t}, {d}) bf16, vocabulary {v}: "
+        f"{6 * t * d * v / 1e9:.3g} GFLOP",
+        times,
+        bytes_per_call,
+        "full logits + autodiff",
+        rows,
+    )
+    _write(args.json, rows)
 
 
 if __name__ == "__main__":

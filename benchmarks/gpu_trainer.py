@@ -1,0 +1,173 @@
+"""The examples/lm trainer's step at a GPU size: tokens/s, and MFU against a bf16 matmul peak.
+
+    python -m benchmarks.gpu_trainer                       # ~125M parameters, bf16, one GPU
+    python -m benchmarks.gpu_trainer --preset tiny --steps 2 --json out.json   # a CPU check
+    python -m benchmarks.gpu_trainer --deterministic --json out.json
+
+It runs the trainer's own ``micro`` and ``apply`` (``examples.lm.step.make_steps``: loss sum,
+gradient, token-weighted accumulation, clip + AdamW with fp32 masters) on random token ids
+of the trainer's shape; the data pipeline is not timed. The peak is the best of a few bf16
+``[n, n] @ [n, n]`` products measured in the same process, before and after the steps.
+MFU is ``tokens/s * flops_per_token(config) / peak``.
+
+The JSON also holds every update's loss as an exact hex float (``losses_hex``), which
+``benchmarks.gpu_determinism`` compares across fresh processes. ``--deterministic`` is the
+trainer's flag: XLA's deterministic GPU ops (set before JAX starts) and the sorted embedding
+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+# The trainer's flags of each preset (on top of its defaults). "gpu": GPT-2 small's shape
+# (124M parameters), bf16 storage and compute, 32 x 1024 tokens per update; "mid" a quarter
+# of it, for checks that start several processes.
+PRESETS = {
+    "gpu": [
+        *("--vocab-size=50304", "--seq-len=1024", "--d-model=768", "--n-layers=12"),
+        *("--n-heads=12", "--batch-size=32", "--compute-dtype=bfloat16"),
+    ],
+    "mid": [
+        *("--vocab-size=32768", "--seq-len=512", "--d-model=512", "--n-layers=4"),
+        *("--n-heads=8", "--batch-size=16", "--compute-dtype=bfloat16"),
+    ],
+    "tiny": [
+        *("--vocab-size=512", "--seq-len=64", "--d-model=64", "--n-layers=2"),
+        *("--n-heads=2", "--batch-size=4"),
+    ],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    p.add_argument("--steps", type=int, default=20, help="timed updates (after 2 warm-up)")
+    p.add_argument("--peak-size", type=int, default=8192, help="n of the bf16 peak matmul")
+    p.add_argument("--deterministic", action="store_true", help="the trainer's --deterministic")
+    p.add_argument("--json", help="write the results to this file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.deterministic:  # before anything starts a JAX backend
+        import rudax.kernels as rk
+
+        rk.enable_deterministic_gpu()
+    import jax
+
+    trainer = _trainer_args(args)
+    run = _Run(trainer)
+    peak_before = bf16_matmul_flops_per_s(args.peak_size)
+    seconds = run.time(args.steps)
+    peak = max(peak_before, bf16_matmul_flops_per_s(args.peak_size))
+    tokens = trainer.batch_size * trainer.seq_len
+    tokens_per_s = tokens / seconds
+    results = {
+        "preset": args.preset,
+        "deterministic": args.deterministic,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "parameters": run.parameters,
+        "tokens_per_update": tokens,
+        "step_ms": seconds * 1e3,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": run.flops_per_token,
+        "bf16_matmul_peak_tflops": peak / 1e12,
+        "mfu": tokens_per_s * run.flops_per_token / peak,
+        "first_step_s": run.first_step_s,
+        "losses_hex": [float(loss).hex() for loss in run.losses],
+    }
+    print(json.dumps(results, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def _trainer_args(args: argparse.Namespace) -> argparse.Namespace:
+    from examples.lm.config import build_parser as trainer_parser
+
+    flags = [*PRESETS[args.preset], "--optimizer=adamw"]
+    if args.deterministic:
+        flags.append("--deterministic")
+    return trainer_parser().parse_args(flags)
+
+
+class _Run:
+    """The trainer's model, optimizer and steps on one fixed random batch."""
+
+    def __init__(self, trainer: argparse.Namespace):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        import rudax.optim as ro
+        from examples.lm.model import flops_per_token
+        from examples.lm.step import make_optimizer, make_steps, model_config
+        from examples.lm.train import create_model
+
+        config = model_config(trainer)
+        model = create_model(config, trainer.seed)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        tx = make_optimizer(trainer)
+        self.steps = make_steps(graphdef, rest, tx, mesh=None)
+        acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
+        self.state = (params, tx.init(params), acc)
+        shape = (trainer.batch_size, trainer.seq_len + 1)
+        self.batch = jax.random.randint(jax.random.key(1), shape, 0, config.vocab_size)
+        self.parameters = sum(x.size for x in jax.tree.leaves(params))
+        self.flops_per_token = flops_per_token(config)
+        self.first_step_s = math.nan
+        self.losses: list[Any] = []  # every update's loss, a device scalar
+
+    def step(self) -> Any:
+        params, opt_state, acc = self.state
+        acc, metrics = self.steps.micro(params, acc, self.batch)
+        params, opt_state, acc, _ = self.steps.apply(params, opt_state, acc)
+        self.state = (params, opt_state, acc)
+        self.losses.append(
+            metrics["loss_sum"] / metrics["tokens"].astype(metrics["loss_sum"].dtype)
+        )
+        return self.losses[-1]
+
+    def time(self, steps: int) -> float:
+        import jax
+
+        start = time.perf_counter()
+        jax.block_until_ready(self.step())
+        self.first_step_s = time.perf_counter() - start
+        jax.block_until_ready(self.step())
+        start = time.perf_counter()
+        out = None
+        for _ in range(steps):
+            out = self.step()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / steps
+
+
+def bf16_matmul_flops_per_s(n: int, repeats: int = 5) -> float:
+    """Best of ``repeats`` jitted bf16 ``[n, n] @ [n, n]`` products (fp32 accumulation)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(jnp.bfloat16)
+    mm = jax.jit(jnp.matmul)
+    jax.block_until_ready(mm(a, a))
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(mm(a, a))
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
