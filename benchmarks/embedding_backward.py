@@ -23,11 +23,11 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--features", type=int, default=768)
     p.add_argument("--ids", type=int, default=16384, help="token positions per step")
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ids = _zipf_ids(ki, args.ids, args.vocab)
     g = jax.random.normal(kg, (args.ids, args.features), jnp.float32)
 
-    def arm(backward: str):
+    def arm(backward: Literal["scatter", "sorted"]):
         def grad(table, ids, g):
             return jax.grad(lambda t: jnp.sum(rl.lookup(t, ids, backward=backward) * g))(table)
 

@@ -83,7 +83,9 @@ def _junit(out: Path) -> dict[str, Any] | None:
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         return None
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts: dict[str, Any] = {
+        k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")
+    }
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     counts["failed_tests"] = [
         f"{case.get('classname')}::{case.get('name')}"
@@ -317,7 +319,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_results"))
     p.add_argument("--total", type=float, default=530.0, help="seconds for every stage")
     p.add_argument("--only", help="comma-separated stage names (default: all)")

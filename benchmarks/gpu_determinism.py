@@ -54,7 +54,7 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--preset", default="mid")
     p.add_argument("--steps", type=int, default=3, help="timed updates per process (+2 warm-up)")
     p.add_argument("--peak-size", type=int, default=2048)

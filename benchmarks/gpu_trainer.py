@@ -46,7 +46,7 @@ PRESETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
     p.add_argument("--steps", type=int, default=20, help="timed updates (after 2 warm-up)")
     p.add_argument("--peak-size", type=int, default=8192, help="n of the bf16 peak matmul")
