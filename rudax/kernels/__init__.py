@@ -15,6 +15,8 @@ kernel. Each op's ``*_reference`` is the pure-jnp definition it is tested agains
 from rudax.kernels._adamw import AdamWBlock as AdamWBlock
 from rudax.kernels._adamw import adamw_update as adamw_update
 from rudax.kernels._adamw import adamw_update_reference as adamw_update_reference
+from rudax.kernels._compat import EXPORT_DISABLED_CHECKS as EXPORT_DISABLED_CHECKS
+from rudax.kernels._compat import gpu_export_target as gpu_export_target
 from rudax.kernels._determinism import DETERMINISTIC_XLA_FLAGS as DETERMINISTIC_XLA_FLAGS
 from rudax.kernels._determinism import enable_deterministic_gpu as enable_deterministic_gpu
 from rudax.kernels._global_norm import GlobalNormBlock as GlobalNormBlock
@@ -52,6 +54,7 @@ from rudax.kernels._silu_mul import silu_mul_reference as silu_mul_reference
 
 __all__: list[str] = [
     "DETERMINISTIC_XLA_FLAGS",
+    "EXPORT_DISABLED_CHECKS",
     "AdamWBlock",
     "GlobalNormBlock",
     "NF4MatmulBlock",
@@ -63,6 +66,7 @@ __all__: list[str] = [
     "enable_deterministic_gpu",
     "global_norm_and_finite",
     "global_norm_and_finite_reference",
+    "gpu_export_target",
     "layer_norm",
     "layer_norm_reference",
     "linear_cross_entropy",

@@ -36,8 +36,9 @@ once (``docs/versions.md``).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any, Literal, overload
 
@@ -63,6 +64,40 @@ GPU_CUSTOM_CALL_TARGET: str = getattr(_triton, "CUSTOM_CALL_TARGET_NAME", "__gpu
 EXPORT_DISABLED_CHECKS: tuple[jax.export.DisabledSafetyCheck, ...] = (
     jax.export.DisabledSafetyCheck.custom_call(GPU_CUSTOM_CALL_TARGET),
 )
+
+
+@contextlib.contextmanager
+def gpu_export_target(device_kind: str = "NVIDIA H100") -> Iterator[None]:
+    """Within it, a computation is lowered for ``device_kind`` even on a host without a GPU.
+
+    jax 0.11's Triton lowering reads the target GPU's compute capability from the default
+    device, or, when that is not a GPU (a CPU host exporting for CUDA), from the abstract
+    mesh's abstract device; without one it raises "No supported GPU devices found". jax
+    0.10.2 lowers without it. This sets a one-device abstract mesh whose device is the GPU
+    named: ``jax.sharding.AbstractDevice`` and ``use_abstract_mesh``, public in both. Its
+    ``device_kind`` must be one Pallas knows (``jax._src.pallas.triton.gpu_info``: "NVIDIA
+    H100", "NVIDIA H200", "NVIDIA A100", ...). A ``shard_map`` over a concrete mesh inside it
+    is not what it is for: export one device's computation.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import rudax.kernels as rk
+      >>> x = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
+      >>> with rk.gpu_export_target("NVIDIA H100"):
+      ...     exported = jax.export.export(
+      ...         jax.jit(lambda x: rk.rms_norm(x, jnp.ones(64))),
+      ...         platforms=["cuda", "cpu"],
+      ...         disabled_checks=rk.EXPORT_DISABLED_CHECKS,
+      ...     )(x)
+      >>> exported.platforms
+      ('cuda', 'cpu')
+    """
+    if not isinstance(device_kind, str) or not device_kind:
+        raise ValueError(f"device_kind must be a GPU's device kind, got {device_kind=}")
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("rudax_gpu_target",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
 
 
 def backends_are_initialized() -> bool:

@@ -44,11 +44,28 @@ def _label_masks(
     return counted, in_range, jnp.where(counted & in_range, labels, 0)
 
 
+def _fp32_logits(logits: jax.Array) -> jax.Array:
+    """The logits in fp32, rounded to their compute dtype first, whatever XLA fuses.
+
+    XLA may drop a cast to a narrower float and back (``xla_allow_excess_precision``, on by
+    default), and whether it does depends on the program around it: jax 0.11.2 on the CPU
+    rounded a chunk's bf16 logits and not the whole batch's. ``reduce_precision`` to the
+    compute dtype's exponent and mantissa is an op of its own, which that rewrite keeps, so
+    the op and its reference compute the same function in every program.
+    """
+    info = jnp.finfo(logits.dtype)
+    if logits.dtype == jnp.float32 or info.bits > 32:
+        return logits.astype(jnp.float32)
+    return jax.lax.reduce_precision(
+        logits.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant
+    )
+
+
 def _chunk(
     x: jax.Array, table: jax.Array, labels: jax.Array, ignore_index: int, grads: bool
 ) -> tuple[jax.Array, jax.Array | None]:
     """One chunk's summed loss (fp32) and, with ``grads``, d loss / d logits in x's dtype."""
-    logits = jnp.einsum("nd,vd->nv", x, table).astype(jnp.float32)
+    logits = _fp32_logits(jnp.einsum("nd,vd->nv", x, table))
     lse = jax.nn.logsumexp(logits, axis=-1)
     counted, in_range, safe = _label_masks(labels, table.shape[0], ignore_index)
     target = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
@@ -209,9 +226,9 @@ def linear_cross_entropy(
     """Summed cross entropy of ``features @ table.T`` over the counted tokens, chunked.
 
     ``c`` casts to the compute dtype ``dtype`` (None: ``features``'s), the dtype the logits
-    are made in (XLA may keep their matmul's fp32 result instead of rounding it first: its
-    ``xla_allow_excess_precision``, on by default); the softmax and the sum are fp32 whatever
-    it is. With ``counted_n = labels_n != ignore_index``::
+    are made in and rounded to (explicitly, so XLA's ``xla_allow_excess_precision`` cannot
+    keep their matmul's fp32 result in one program and not in another); the softmax and the
+    sum are fp32 whatever it is. With ``counted_n = labels_n != ignore_index``::
 
         logits_c = (c(features[i:i + chunk]) @ c(table).T).astype(float32)   for each chunk i
         loss_sum = sum_i sum_n [counted_n] (logsumexp(logits_c[n]) - logits_c[n, labels_n])
@@ -324,8 +341,7 @@ def linear_cross_entropy_reference(
     """
     features_NxD, table_VxD, labels_N = map(jnp.asarray, (features_NxD, table_VxD, labels_N))
     c = features_NxD.dtype if dtype is None else dtype
-    logits = jnp.einsum("nd,vd->nv", features_NxD.astype(c), table_VxD.astype(c))
-    logits = logits.astype(jnp.float32)
+    logits = _fp32_logits(jnp.einsum("nd,vd->nv", features_NxD.astype(c), table_VxD.astype(c)))
     lse = jax.nn.logsumexp(logits, axis=-1)
     counted, in_range, safe = _label_masks(labels_N, table_VxD.shape[0], ignore_index)
     target = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]

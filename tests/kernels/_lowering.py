@@ -27,18 +27,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import rudax.kernels as rk
 from rudax.kernels import _compat
 
 
 def export(
     fn: Callable[..., Any], *args: Any, platforms: Sequence[str] = ("cuda",)
 ) -> jax.export.Exported:
-    """``jax.export`` of ``jax.jit(fn)`` for ``platforms``, GPU custom calls allowed."""
-    return jax.export.export(
-        jax.jit(fn),
-        platforms=list(platforms),
-        disabled_checks=list(_compat.EXPORT_DISABLED_CHECKS),
-    )(*args)
+    """``jax.export`` of ``jax.jit(fn)`` for ``platforms``, GPU custom calls allowed, the
+    target GPU named as a user exporting from a CPU host names it (jax 0.11 needs it)."""
+    with rk.gpu_export_target("NVIDIA H100"):
+        return jax.export.export(
+            jax.jit(fn),
+            platforms=list(platforms),
+            disabled_checks=rk.EXPORT_DISABLED_CHECKS,
+        )(*args)
 
 
 def gpu_calls(text: str) -> int:

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import rudax.layers as rl
-from rudax.kernels import _compat
+from tests.kernels._lowering import export
 
 
 def _grads(table, ids, g, backward):
@@ -84,12 +84,7 @@ def _cuda_hlo(backward):
     def loss(t, i):
         return jnp.sum(rl.lookup(t, i, backward=backward) ** 2)
 
-    exported = jax.export.export(
-        jax.jit(jax.grad(loss)),
-        platforms=["cuda"],
-        disabled_checks=list(_compat.EXPORT_DISABLED_CHECKS),
-    )(table, ids)
-    return exported.mlir_module()
+    return export(jax.grad(loss), table, ids).mlir_module()
 
 
 def test_sorted_backward_lowers_for_cuda_without_scatter():

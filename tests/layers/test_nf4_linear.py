@@ -4,7 +4,6 @@ xla path's definition; from_linear's weight against nf4_quantize and bitsandbyte
 
 import dataclasses
 
-import bitsandbytes.functional as bnbf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +14,7 @@ from flax import nnx
 import rudax.layers as rl
 from rudax.kernels import NF4Tensor, _nf4, nf4_dequantize, nf4_quantize
 from rudax.layers._matmul import rows_matmul
-from tests._bitsandbytes import dequantize_4bit
+from tests._bitsandbytes import bnbf, dequantize_4bit, needs_bitsandbytes
 from tests.layers._random import normal
 
 IN, OUT = 96, 32  # a 64-block straddles rows of the [out, in] weight (96 = 1.5 blocks)
@@ -147,6 +146,7 @@ def test_from_linear_quantizes_the_transposed_kernel(kind, double_quant):
     np.testing.assert_array_equal(_bits(lin.kernel.get_value()), _bits(before))  # untouched
 
 
+@needs_bitsandbytes
 def test_weight_is_bitsandbytes_quantize_4bit_of_the_torch_weight():
     """The torch nn.Linear's [out, in] weight through bitsandbytes, against the twin's layer."""
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from examples.lm import train
 from examples.lm.model import GPT, GPTConfig, loss_sum
-from rudax.kernels import _compat
+from tests.kernels._lowering import export
 from tests.lm.conftest import TINY
 
 
@@ -36,11 +36,7 @@ def test_cuda_step_has_no_scatter():
     counts = {}
     for backward in ("scatter", "sorted"):
         grads, state = _grad_fn(_config(backward))
-        text = jax.export.export(
-            jax.jit(grads),
-            platforms=["cuda"],
-            disabled_checks=list(_compat.EXPORT_DISABLED_CHECKS),
-        )(state, batch).mlir_module()
+        text = export(grads, state, batch).mlir_module()
         counts[backward] = text.count("stablehlo.scatter")
     assert counts["scatter"] >= 1  # the control: the default step scatters
     assert counts["sorted"] == 0
