@@ -18,8 +18,8 @@ INTERPRET = jax.default_backend() != "gpu"
 # outputs their manual-axis type; the compiled GPU path is not checked here (no GPU).
 INTERPRETER_VMA = pytest.mark.xfail(
     INTERPRET,
-    reason="jax 0.10.2 and 0.11.2 Pallas interpreter under shard_map(check_vma=True): 'Primitive gather "
-    "requires varying manual axes to match'",
+    reason="jax 0.10.2 and 0.11.2 Pallas interpreter under shard_map(check_vma=True): "
+    "'Primitive gather requires varying manual axes to match'",
     raises=ValueError,
     strict=True,
 )
