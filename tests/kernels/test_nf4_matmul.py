@@ -301,7 +301,8 @@ def test_autodiff_of_the_reference_would_fail_the_residual_check(capsys):
 INTERPRETER_VMA = pytest.mark.xfail(
     INTERPRET,
     reason="jax 0.10.2 and 0.11.2 Pallas interpreter under shard_map(check_vma=True): "
-    "'Primitive gather requires varying manual axes to match' (as in tests/kernels/test_shard_map.py)",
+    "'Primitive gather requires varying manual axes to match' (as in "
+    "tests/kernels/test_shard_map.py)",
     raises=ValueError,
     strict=True,
 )
