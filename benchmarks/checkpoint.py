@@ -7,11 +7,13 @@ random normal values (orbax's default zstd still shrinks those by ~10%, their ex
 being far from random). Each round measures, in rotating order within each group, on fresh
 files in one directory:
 
-- writes: raw write (every leaf's bytes into one file, then ``fsync``), a sync
+- writes: raw write (every leaf's bytes into one file, then ``fsync``), plain orbax
+  (``CheckpointManager`` with ``StandardSave`` of the same arrays, sync and async), a sync
   ``Checkpointer.save`` (until committed), and an async save: the time until ``save()``
   returns (what the train loop waits for) and until ``wait()`` returns (committed);
-- warm reads, right after the writes: raw read of the file into a new buffer, and
-  ``Checkpointer.restore`` of the sync checkpoint (``block_until_ready``);
+- warm reads, right after the writes: raw read of the file into a new buffer, plain orbax's
+  ``StandardRestore`` and ``Checkpointer.restore`` of the sync checkpoints
+  (``block_until_ready``);
 - fresh memory: allocating and touching as many bytes, the cost every read arm pays too;
 - cold reads: the same after evicting every file from the page cache
   (``posix_fadvise(POSIX_FADV_DONTNEED)`` after ``fsync``).
@@ -43,6 +45,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 import rudax.checkpoint as rc
 import rudax.optim as ro
@@ -51,8 +54,15 @@ from benchmarks._timing import ratio_summary
 MB = 1e6
 COLS = 1024  # columns of every big matrix
 BYTES_PER_PARAM = 2 + 3 * 4  # bf16 parameter + fp32 master, exp_avg, exp_avg_sq
-WRITES = ("raw write+fsync", "save (sync)", "save (async)")
-READS = ("raw read", "restore")
+WRITES = (
+    "raw write+fsync",
+    "orbax save (sync)",
+    "orbax save (async)",
+    "save (sync)",
+    "save (async)",
+)
+READS = ("raw read", "orbax restore", "restore")
+ASYNC = ("orbax save (async)", "save (async)")
 
 
 def build_record(gb: float, seed: int) -> rc.TrainingRecord:
@@ -128,6 +138,11 @@ def assert_same(restored: rc.TrainingRecord, record: rc.TrainingRecord, what: st
             raise SystemExit(f"{what}: the restored record differs from the one saved")
 
 
+def orbax_tree(record: rc.TrainingRecord) -> dict:
+    """The record's arrays as plain orbax saves them: one ``StandardSave`` pytree."""
+    return {"model": record.model, "optimizer": record.optimizer, "rng": record.state["rng"]}
+
+
 def rotate(names: tuple[str, ...], r: int) -> tuple[str, ...]:
     return names[r % len(names) :] + names[: r % len(names)]
 
@@ -144,29 +159,52 @@ def one_round(here: Path, r: int, record, views, times: dict, *, check: bool) ->
         "save (sync)": rc.Checkpointer(here / "sync", keep=1),
         "save (async)": rc.Checkpointer(here / "async", keep=1, async_save=True),
     }
+    tree = orbax_tree(record)
+    managers = {
+        "orbax save (sync)": ocp.CheckpointManager(
+            here / "orbax_sync",
+            options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
+        ),
+        "orbax save (async)": ocp.CheckpointManager(
+            here / "orbax_async", options=ocp.CheckpointManagerOptions(max_to_keep=1)
+        ),
+    }
     try:
         for arm in rotate(WRITES, r):
             start = time.perf_counter()
             if arm == "raw write+fsync":
                 raw_write(raw, views)
+            elif arm in managers:
+                managers[arm].save(r, args=ocp.args.StandardSave(tree))
+                if arm in ASYNC:
+                    times[f"{arm} blocking"].append(time.perf_counter() - start)
+                managers[arm].wait_until_finished()
             else:
                 ckpts[arm].save(r, record)
-                if arm == "save (async)":
-                    times["save (async) blocking"].append(time.perf_counter() - start)
+                if arm in ASYNC:
+                    times[f"{arm} blocking"].append(time.perf_counter() - start)
                 ckpts[arm].wait()
             times[arm].append(time.perf_counter() - start)
         start = time.perf_counter()
         fresh = np.ones(nbytes, np.uint8)  # allocating and touching, nothing else
         times["fresh memory"].append(time.perf_counter() - start)
         del fresh
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
         for cache in ("warm", "cold"):
             if cache == "cold":
                 evict(raw)
                 evict(here / "sync")
+                evict(here / "orbax_sync")
             for arm in rotate(READS, r):
                 start = time.perf_counter()
                 if arm == "raw read":
                     out = raw_read(raw, nbytes)
+                elif arm == "orbax restore":
+                    out = jax.block_until_ready(
+                        managers["orbax save (sync)"].restore(
+                            r, args=ocp.args.StandardRestore(abstract)
+                        )
+                    )
                 else:
                     out = jax.block_until_ready(ckpts["save (sync)"].restore(record))
                 times[f"{arm} ({cache})"].append(time.perf_counter() - start)
@@ -179,39 +217,49 @@ def one_round(here: Path, r: int, record, views, times: dict, *, check: bool) ->
     finally:
         for ckpt in ckpts.values():
             ckpt.close()
+        for manager in managers.values():
+            manager.close()
         shutil.rmtree(here)
 
 
 def summarize(times: dict, nbytes: int) -> list[dict]:
-    """Rows of the table: arm, median s, MB/s, ratio vs its baseline with the spread."""
+    """Rows of the table: arm, median s, MB/s, throughput ratios vs raw and vs plain orbax."""
     rows = []
-    pairs = {
-        "raw write+fsync": None,
-        "save (sync)": "raw write+fsync",
-        "save (async)": "raw write+fsync",
-        "raw read (warm)": None,
-        "restore (warm)": "raw read (warm)",
-        "raw read (cold)": None,
-        "restore (cold)": "raw read (cold)",
+    pairs = {  # arm: (its raw baseline, its plain-orbax baseline)
+        "raw write+fsync": (None, None),
+        "orbax save (sync)": ("raw write+fsync", None),
+        "orbax save (async)": ("raw write+fsync", None),
+        "save (sync)": ("raw write+fsync", "orbax save (sync)"),
+        "save (async)": ("raw write+fsync", "orbax save (async)"),
+        "raw read (warm)": (None, None),
+        "orbax restore (warm)": ("raw read (warm)", None),
+        "restore (warm)": ("raw read (warm)", "orbax restore (warm)"),
+        "raw read (cold)": (None, None),
+        "orbax restore (cold)": ("raw read (cold)", None),
+        "restore (cold)": ("raw read (cold)", "orbax restore (cold)"),
     }
-    for arm, base in pairs.items():
+    for arm, (raw, orbax) in pairs.items():
         ts = times[arm]
         median = statistics.median(ts)
         row = {"arm": arm, "median_s": median, "mb_per_s": nbytes / MB / median}
-        if base is not None:  # throughput ratio: baseline time / arm time, per round
-            row["vs"], row["ratio"] = base, ratio_summary(times[base], ts)
+        if raw is not None:  # throughput ratio: baseline time / arm time, per round
+            row["vs_raw"] = ratio_summary(times[raw], ts)
+        if orbax is not None:
+            row["vs_orbax"] = ratio_summary(times[orbax], ts)
         rows.append(row)
     median = statistics.median(times["fresh memory"])
     rows.append({"arm": "fresh memory", "median_s": median, "mb_per_s": nbytes / MB / median})
-    rows.append(
-        {
-            "arm": "save (async) blocking",
-            "median_s": statistics.median(times["save (async) blocking"]),
+    for arm in ASYNC:
+        row = {
+            "arm": f"{arm} blocking",
+            "median_s": statistics.median(times[f"{arm} blocking"]),
             "mb_per_s": None,
-            "vs": "fraction of save (sync) time",
-            "ratio": ratio_summary(times["save (async) blocking"], times["save (sync)"]),
         }
-    )
+        if arm == "save (async)":  # blocking time ratio: rudax's / orbax's (lower is better)
+            row["blocking_vs_orbax"] = ratio_summary(
+                times["save (async) blocking"], times["orbax save (async) blocking"]
+            )
+        rows.append(row)
     return rows
 
 
@@ -251,19 +299,20 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = summarize(times, nbytes)
     overhead = statistics.median(on_disk) / nbytes
-    print(f"\n{'arm':<24} {'median s':>9} {'MB/s':>9}   {'ratio [min, max]':<24} {'vs'}")
+    fmt = lambda r: "" if r is None else f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+    print(f"\n{'arm':<28} {'median s':>9} {'MB/s':>7}   {'vs raw':<22} {'vs plain orbax':<22}")
     for row in rows:
         mbps = "" if row["mb_per_s"] is None else f"{row['mb_per_s']:,.0f}"
-        ratio = ""
-        if "ratio" in row:
-            m, lo, hi = row["ratio"]
-            ratio = f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+        orbax = row.get("vs_orbax") or row.get("blocking_vs_orbax")
         print(
-            f"{row['arm']:<24} {row['median_s']:>9.3f} {mbps:>9}   {ratio:<24} {row.get('vs', '')}"
+            f"{row['arm']:<28} {row['median_s']:>9.3f} {mbps:>7}   "
+            f"{fmt(row.get('vs_raw')):<22} {fmt(orbax):<22}"
         )
     print(
-        "\nnotes: ratios are throughput vs the raw arm of the same round (raw time / arm time),"
-        " median [min, max] over rounds.\n"
+        "\nnotes: ratios are throughput vs the raw arm and vs plain orbax (CheckpointManager,"
+        " StandardSave of the same arrays) of the same round (baseline time / arm time),"
+        " median [min, max] over rounds; the blocking row is rudax's blocking time over"
+        " orbax's (lower is better).\n"
         f"- checkpoint on disk: {overhead:.3f}x the array bytes (zstd, orbax's default, and"
         " metadata).\n"
         "- warm reads come right after the writes, from the page cache, for both arms alike:"
@@ -286,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _empty_times() -> dict[str, list]:
-    names = [*WRITES, "save (async) blocking", "fresh memory"]
+    names = [*WRITES, *(f"{arm} blocking" for arm in ASYNC), "fresh memory"]
     names += [f"{arm} ({cache})" for cache in ("warm", "cold") for arm in READS]
     return {name: [] for name in names}
 

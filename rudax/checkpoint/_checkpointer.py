@@ -46,7 +46,11 @@ import orbax.checkpoint as ocp
 
 from rudax._validation import check_bool, check_positive_int
 from rudax.checkpoint._config import check_config, config_difference
-from rudax.checkpoint._integrity import CheckpointCorruptedError, verify_checksums
+from rudax.checkpoint._integrity import (
+    CheckpointCorruptedError,
+    default_algorithm,
+    verify_checksums,
+)
 from rudax.checkpoint._keys import data_template, key_data, rewrap
 from rudax.checkpoint._lock import DirectoryLock, hold
 from rudax.checkpoint._meta import Meta, parse_meta
@@ -261,6 +265,7 @@ class Checkpointer:
             "config": config,
             "storage_dtypes": None if record.dtypes is None else dict(record.dtypes),
             "sharded": {p: storage_layout(getattr(record, p)) for p in present},
+            "checksum_algorithm": default_algorithm(),
         }
         parts = {p: key_data(parts[p]) for p in present}  # typed keys as their data
         meta = MetaSave(fields, parts, exchange_key(step))
@@ -434,7 +439,7 @@ class Checkpointer:
             for p in present
         }
         for p in stored:  # after placing: what is checked is what the caller gets
-            verify_checksums(where, p, meta.checksums[p], out[p])
+            verify_checksums(where, p, meta.checksums[p], out[p], meta.checksum_algorithm)
             out[p] = rewrap(out[p], keys[p])
         if like.state is not None:
             out["state"] = merge_state(out["state"], like.state, meta.python_state)

@@ -2,7 +2,7 @@
 
 Every step holds, beside one orbax item per record part, a JSON item ``meta``::
 
-    format          1, the version of this layout
+    format          2, the version of this layout (1: before checksum_algorithm)
     rudax_version   the rudax that wrote it
     step            the step number, equal to the directory's name
     parts           the record parts saved, in ``PARTS`` order
@@ -12,6 +12,8 @@ Every step holds, beside one orbax item per record part, a JSON item ``meta``::
     storage_dtypes  {part + path: dtype name} of each floating leaf (capture_with_dtypes),
                     or null (capture)
     checksums       {part: {path: 8 hex digits}} of every array leaf (see ``_integrity.py``)
+    checksum_algorithm  "crc32c" or "fmix32-sum", the checksums' algorithm; absent in
+                    format 1, whose checksums are all "fmix32-sum"
     digest          SHA-256 of the canonical JSON text of all the other fields: an integrity
                     check against accidents, not a signature (see below)
 
@@ -34,11 +36,13 @@ import json
 from typing import Any, NamedTuple
 
 from rudax.checkpoint._config import check_config
-from rudax.checkpoint._integrity import CheckpointCorruptedError
+from rudax.checkpoint._integrity import ALGORITHMS, LEGACY, CheckpointCorruptedError
 from rudax.checkpoint._record import DTYPE_NAMES, FLOAT_DTYPE_NAMES, PARTS, PYTHON_LEAVES
 from rudax.checkpoint._version import RUDAX_VERSION
 
-FORMAT = 1
+FORMAT = 2
+# Formats this rudax reads: 1 is 2 without checksum_algorithm (every checksum fmix32-sum).
+READABLE_FORMATS = (1, 2)
 _FIELDS = (
     "format",
     "rudax_version",
@@ -64,6 +68,7 @@ class Meta(NamedTuple):
     storage_dtypes: dict[str, str] | None
     checksums: dict[str, dict[str, str]]
     raw: dict[str, Any]  # the whole item, fields of other rudax modules included
+    checksum_algorithm: str = LEGACY
 
 
 def _digest(fields: dict[str, Any]) -> str:
@@ -135,10 +140,20 @@ def parse_meta(raw: Any, *, step: int, where: str) -> Meta:
             raise CheckpointCorruptedError(
                 f"{where}: the meta item has no field {field!r} (fields: {sorted(raw)})"
             )
-    if raw["format"] != FORMAT or not _is_int(raw["format"]):
+    if not _is_int(raw["format"]) or raw["format"] not in READABLE_FORMATS:
         raise _fail(
-            where, "format", f"must be {FORMAT}, the format this rudax reads", raw["format"]
+            where,
+            "format",
+            f"must be one of {READABLE_FORMATS}, the formats this rudax reads",
+            raw["format"],
         )
+    algorithm = raw.get("checksum_algorithm", LEGACY) if raw["format"] >= 2 else LEGACY
+    if raw["format"] >= 2 and "checksum_algorithm" not in raw:
+        raise CheckpointCorruptedError(
+            f"{where}: the meta item has no field 'checksum_algorithm' (fields: {sorted(raw)})"
+        )
+    if algorithm not in ALGORITHMS:
+        raise _fail(where, "checksum_algorithm", f"must be one of {ALGORITHMS}", algorithm)
     if type(raw["rudax_version"]) is not str:
         raise _fail(where, "rudax_version", "must be a str", raw["rudax_version"])
     if not _is_int(raw["step"]) or raw["step"] != step:
@@ -216,4 +231,5 @@ def parse_meta(raw: Any, *, step: int, where: str) -> Meta:
         storage_dtypes=storage_dtypes,
         checksums=checks,
         raw=raw,
+        checksum_algorithm=algorithm,
     )

@@ -49,7 +49,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as orbax_future
 
-from rudax.checkpoint._integrity import HostCopy, add_sums, as_hex, host_copies, local_sums
+from rudax.checkpoint._integrity import (
+    HostCopy,
+    as_hex,
+    combine_sums,
+    host_copies,
+    local_sums,
+)
 from rudax.checkpoint._meta import build_meta
 
 # orbax JsonCheckpointHandler's default file name, which plain orbax reads.
@@ -128,7 +134,7 @@ class MetaHandler(ocp.handlers.JsonCheckpointHandler):
         self, directory: epath.Path, args: MetaSave, copies: dict[str, dict[str, HostCopy]]
     ) -> None:
         try:
-            checksums = _checksums(copies, args.key)
+            checksums = _checksums(copies, args.key, args.fields["checksum_algorithm"])
             if jax.process_index() == 0:
                 meta = build_meta(**args.fields, checksums=checksums)
                 (directory / FILENAME).write_text(json.dumps(meta))
@@ -140,10 +146,15 @@ class MetaHandler(ocp.handlers.JsonCheckpointHandler):
             raise
 
 
-def _checksums(copies: dict[str, dict[str, HostCopy]], key: str) -> dict[str, dict[str, str]]:
-    """{part: {path: 8 hex digits}} of the copies, every process's shards added up."""
+def _checksums(
+    copies: dict[str, dict[str, HostCopy]], key: str, algorithm: str
+) -> dict[str, dict[str, str]]:
+    """{part: {path: 8 hex digits}} of the copies, every process's shards combined."""
     flat = [copy for table in copies.values() for copy in table.values()]
-    sums = local_sums(flat) if jax.process_count() == 1 else _add_over_processes(flat, key)
+    if jax.process_count() == 1:
+        sums = local_sums(flat, algorithm)
+    else:
+        sums = _add_over_processes(flat, key, algorithm)
     out, start = {}, 0
     for part, table in copies.items():
         out[part] = as_hex(list(table), sums[start : start + len(table)])
@@ -162,11 +173,11 @@ def _client() -> Any:
     return client
 
 
-def _add_over_processes(flat: list[HostCopy], key: str) -> np.ndarray:
-    """This process's sums; on the primary, every process's added up."""
+def _add_over_processes(flat: list[HostCopy], key: str, algorithm: str) -> np.ndarray:
+    """This process's sums; on the primary, every process's combined."""
     client, me = _client(), jax.process_index()
     try:
-        sums = local_sums(flat)
+        sums = local_sums(flat, algorithm)
     except BaseException as e:
         if me != 0:
             client.key_value_set(f"{key}/{me}", f"error: {type(e).__name__}: {e}")
@@ -181,4 +192,4 @@ def _add_over_processes(flat: list[HostCopy], key: str) -> np.ndarray:
         if text.startswith("error: "):
             raise RuntimeError(f"process {process} failed to hash its shards: {text[7:]}")
         others.append(np.array(json.loads(text), np.uint64))
-    return add_sums(sums, others, np.array([c.spread for c in flat], bool))
+    return combine_sums(sums, others, np.array([c.spread for c in flat], bool), algorithm)

@@ -91,12 +91,14 @@ def _expected_checksums(values):
     """Computed here from the NumPy values, not from the arrays that were saved."""
     parts = {"model": ("b", "emb", "w"), "optimizer": ("count", "mu"), "state": ("order",)}
     return {
-        part: _integrity.checksums({k: values[k] for k in keys}) for part, keys in parts.items()
+        part: _integrity.checksums({k: values[k] for k in keys}, _integrity.default_algorithm())
+        for part, keys in parts.items()
     }
 
 
 class _Gate:
-    """Holds every call of the hash function until ``release`` is set (at the latest on exit).
+    """Holds every save's hashing (``local_sums``, whatever the checksum) until ``release`` is
+    set (at the latest on exit).
 
     Also notes the threads that hashed and those that took a save's host copies. Enter it
     after the checkpointer, so that a failing test opens it before closing that.
@@ -106,7 +108,7 @@ class _Gate:
         self.started = threading.Event()
         self.release = threading.Event()
         self.hashed_on, self.copied_on = set(), set()
-        real_hash, real_copies = _integrity._hash_words, _meta_handler.host_copies
+        real_hash, real_copies = _meta_handler.local_sums, _meta_handler.host_copies
 
         def held(*args):
             self.hashed_on.add(threading.current_thread().name)
@@ -119,7 +121,7 @@ class _Gate:
             self.copied_on.add(threading.current_thread().name)
             return real_copies(tree, **kwargs)
 
-        monkeypatch.setattr(_integrity, "_hash_words", held)
+        monkeypatch.setattr(_meta_handler, "local_sums", held)
         monkeypatch.setattr(_meta_handler, "host_copies", copies)
 
     def __enter__(self):
@@ -200,7 +202,7 @@ def _failing_hash(monkeypatch):
     def fail(*args):
         raise _Boom("injected hashing failure")
 
-    monkeypatch.setattr(_integrity, "_hash_words", fail)
+    monkeypatch.setattr(_meta_handler, "local_sums", fail)
 
 
 @pytest.mark.parametrize("surfaces_at", ["wait", "save", "close"])
@@ -316,5 +318,5 @@ def test_two_processes_add_their_sums_in_the_background(tmp_path):
             got = {**restored.model, "order": restored.state["order"]}
             assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in values.items()}
     assert _saved_meta(tmp_path, 1)["checksums"]["model"] == _integrity.checksums(
-        {"b": values["b"], "w": values["w"]}
+        {"b": values["b"], "w": values["w"]}, _integrity.default_algorithm()
     )
