@@ -109,15 +109,25 @@ def test_checkpoint_benchmark_runs(tmp_path, capsys):
     arms = [row["arm"] for row in result["rows"]]
     assert arms == [
         "raw write+fsync",
+        "orbax save (sync)",
+        "orbax save (async)",
         "save (sync)",
         "save (async)",
         "raw read (warm)",
+        "orbax restore (warm)",
         "restore (warm)",
         "raw read (cold)",
+        "orbax restore (cold)",
         "restore (cold)",
         "fresh memory",
+        "orbax save (async) blocking",
         "save (async) blocking",
     ]
     assert all(row["median_s"] > 0 for row in result["rows"])
+    # rudax's arms are compared with plain orbax's of the same kind.
+    by_arm = {row["arm"]: row for row in result["rows"]}
+    for arm in ("save (sync)", "save (async)", "restore (warm)", "restore (cold)"):
+        assert len(by_arm[arm]["vs_orbax"]) == 3 and len(by_arm[arm]["vs_raw"]) == 3, arm
+    assert len(by_arm["save (async) blocking"]["blocking_vs_orbax"]) == 3
     assert all(arm in table for arm in arms)
     assert os.listdir(tmp_path) == ["result.json"]
