@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rudax.kernels import NF4Tensor, _nf4, nf4_dequantize, nf4_quantize
+from rudax.kernels import NF4Tensor, _dynamic8, _nf4, nf4_dequantize, nf4_quantize
 from tests._bitsandbytes import bnbf, dequantize_4bit, needs_bitsandbytes
 
 SHAPES = [(128, 64), (256, 96), (64, 4096)]
@@ -396,7 +396,7 @@ def test_dynamic_quantize_next_to_midpoints(rounding, absmax):
     """Values on and a few ulps around every midpoint: the cases where the rounding rule,
     the tie and scaling by the reciprocal rather than dividing all show."""
     blocks = _values_next_to_midpoints(absmax)
-    quantize = jax.jit(_nf4._quantize_dynamic, static_argnames="rounding")
+    quantize = jax.jit(_dynamic8._quantize_dynamic, static_argnames="rounding")
     scales, codes = quantize(jnp.asarray(blocks), rounding=rounding)
     expected_codes, expected_scales = _np_dynamic_quantize(blocks.reshape(-1), rounding)
     np.testing.assert_array_equal(np.asarray(codes).reshape(-1), expected_codes)
@@ -419,7 +419,7 @@ def test_dynamic_quantize_all_zero_block():
     blocks = np.zeros((2, 256), np.float32)
     blocks[1, :3] = [0.5, -0.25, 0.0]
     for rounding in ("cuda", "cpu"):
-        scales, codes = _nf4._quantize_dynamic(jnp.asarray(blocks), rounding)
+        scales, codes = _dynamic8._quantize_dynamic(jnp.asarray(blocks), rounding)
         assert np.all(np.asarray(codes)[0] == 0) and float(scales[0]) == 0.0
         expected, _ = _np_dynamic_quantize(blocks.reshape(-1), rounding)
         np.testing.assert_array_equal(np.asarray(codes).reshape(-1), expected)
