@@ -98,9 +98,9 @@ def run_optimizer(
         p, state = step_fn(p, state, as_tree_kind(g, tree_kind))
         trajectory.append([np.asarray(x) for x in jax.tree.leaves(p)])
         if jit and i >= 1:
-            assert (
-                step_fn._cache_size() == 1
-            ), f"update recompiled at step {i}: {step_fn._cache_size()} compilations"
+            assert step_fn._cache_size() == 1, (
+                f"update recompiled at step {i}: {step_fn._cache_size()} compilations"
+            )
     return trajectory
 
 

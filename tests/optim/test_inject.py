@@ -212,6 +212,6 @@ def test_everything_not_declared_static_is_a_float_hyperparameter(factory):
         if name in static:
             continue
         default = parameter.default
-        assert (
-            default is inspect.Parameter.empty or default is None or type(default) is float
-        ), f"{factory.__name__}: {name}={default!r} is not declared static"
+        assert default is inspect.Parameter.empty or default is None or type(default) is float, (
+            f"{factory.__name__}: {name}={default!r} is not declared static"
+        )

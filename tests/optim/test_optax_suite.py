@@ -193,9 +193,9 @@ def linesearch_promotion(case: Case, dtype):
 
 
 def assert_trees_close(got, want, *, rtol, atol=0.0, what=""):
-    assert jax.tree.structure(got) == jax.tree.structure(
-        want
-    ), f"{what}: tree {jax.tree.structure(got)} != {jax.tree.structure(want)}"
+    assert jax.tree.structure(got) == jax.tree.structure(want), (
+        f"{what}: tree {jax.tree.structure(got)} != {jax.tree.structure(want)}"
+    )
     for (path, g), w in zip(
         jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
     ):
