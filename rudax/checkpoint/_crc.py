@@ -64,14 +64,9 @@ def multiply(a: int, b: int) -> int:
     return product
 
 
-def _inverse_of_x() -> int:
-    """``x**-1``: the value that ``multiply(_X, .)`` maps to 1 (undoing one step of the loop
-    above: multiplying by x shifts right and folds the polynomial in, setting bit 31)."""
-    v = _ONE
-    return (((v ^ _POLY) << 1) | 1) & _MASK if v >> 31 else (v << 1) & _MASK
-
-
-_X_INV = _inverse_of_x()
+# x**-1: one step of multiply's loop undone on 1. A step multiplies by x: it shifts right and,
+# when the low bit was set, folds the polynomial in (setting bit 31, as 1 has it).
+_X_INV = (((_ONE ^ _POLY) << 1) | 1) & _MASK
 assert multiply(_X, _X_INV) == _ONE
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_positive_int, float_dtype
-from rudax.layers._lookup import BACKWARDS, Backward, lookup
+from rudax.layers._lookup import Backward, check_backward, lookup
 from rudax.layers._matmul import rows_matmul
 from rudax.layers._validation import check_features
 
@@ -68,8 +68,7 @@ class Embedding(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_positive_int("num_embeddings", num_embeddings)
-        if backward not in BACKWARDS:
-            raise ValueError(f'backward must be "scatter" or "sorted", got {backward=}')
+        check_backward(backward)
         self.backward: Backward = backward
         check_positive_int("features", features)
         self.dtype = float_dtype("dtype", dtype)

@@ -49,11 +49,15 @@ def lookup(table: jax.Array, ids: jax.Array, *, backward: Backward = "scatter") 
              [0., 0.],
              [2., 2.]], dtype=float32)
     """
-    if backward not in BACKWARDS:
-        raise ValueError(f'backward must be "scatter" or "sorted", got {backward=}')
+    check_backward(backward)
     if backward == "scatter":
         return _gather(table, ids)
     return _sorted_lookup(table, ids)
+
+
+def check_backward(backward: str) -> None:
+    if backward not in BACKWARDS:
+        raise ValueError(f'backward must be "scatter" or "sorted", got {backward=}')
 
 
 def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
