@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rudax.checkpoint._compat import default_device, uncommitted
 from rudax.sharding import ShardedParameter
 
 
@@ -107,13 +108,15 @@ def _unplaced(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
 
 
-def _target(x: Any) -> Any:
+def _target(x: Any, device: jax.Device) -> Any:
     # Typed PRNG keys never get here: the checkpointer restores their key data (_keys.py).
-    if isinstance(x, jax.Array | jax.ShapeDtypeStruct) and not _unplaced(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    # Read on the host; ``place_unplaced`` turns it back into an uncommitted array when the
-    # template was one. orbax takes a 0-d array as a target but not a NumPy scalar, and
-    # np.empty only reserves address space: orbax reads into arrays of its own.
+    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+        # A leaf that names no placement is read onto the default device, as jnp.asarray
+        # would put it, and uncommitted afterwards (place_unplaced) without another copy.
+        sharding = jax.sharding.SingleDeviceSharding(device) if _unplaced(x) else x.sharding
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    # A NumPy leaf is read on the host. orbax takes a 0-d array as a target but not a NumPy
+    # scalar, and np.empty only reserves address space: orbax reads into arrays of its own.
     return np.empty(np.shape(x), np.dtype(x.dtype))
 
 
@@ -122,15 +125,17 @@ def restore_target(tree: Any) -> Any:
 
     A ``jax.Array`` committed to a sharding, or a ``ShapeDtypeStruct`` with one, keeps it
     (each device reads only its slice). A leaf that names no placement, an uncommitted array
-    (what ``jnp.zeros`` or ``tx.init`` make) or a ``ShapeDtypeStruct`` without a sharding, and
-    a NumPy leaf are read on the host. A ``ShardedParameter`` keeps its static fields (the
-    output has the template's ``num_shards`` and ``axis_name``), its storage placed the same way.
+    (what ``jnp.zeros`` or ``tx.init`` make) or a ``ShapeDtypeStruct`` without a sharding, is
+    read onto the default device (``place_unplaced`` uncommits it); a NumPy leaf is read on
+    the host. A ``ShardedParameter`` keeps its static fields (the output has the template's
+    ``num_shards`` and ``axis_name``), its storage placed the same way.
     """
+    device = default_device()
 
     def target(x: Any) -> Any:
         if is_sharded_parameter(x):
-            return dataclasses.replace(x, local=_target(x.local))
-        return _target(x)
+            return dataclasses.replace(x, local=_target(x.local, device))
+        return _target(x, device)
 
     return jax.tree.map(target, tree, is_leaf=is_sharded_parameter)
 
@@ -141,13 +146,14 @@ def place_unplaced(restored: Any, template: Any) -> Any:
     Such a leaf comes back as a fresh ``jnp`` array would be: on the default device and
     uncommitted, so ``jax.jit`` moves it next to the committed arguments it meets (the update
     count of ``tx.init`` beside parameters on a mesh). Committed to one device, it would make
-    the first step fail with "incompatible devices".
+    the first step fail with "incompatible devices". orbax read it onto the default device
+    (``restore_target``); it is uncommitted there, its buffer kept (``_compat.uncommitted``).
     """
     flat, treedef = jax.tree_util.tree_flatten(restored)
     like = jax.tree.leaves(template)
     if len(like) != len(flat):
         raise ValueError(f"restore: {len(flat)} leaves read, the template has {len(like)}")
-    out = [jax.numpy.asarray(r) if _unplaced(t) else r for r, t in zip(flat, like, strict=True)]
+    out = [uncommitted(r) if _unplaced(t) else r for r, t in zip(flat, like, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
