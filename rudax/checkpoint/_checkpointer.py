@@ -88,6 +88,7 @@ from rudax.checkpoint._template import (
     check_recorded_dtypes,
     retyped,
 )
+from rudax.checkpoint._zeros import with_zeros, without, zero_paths
 
 
 def _template(tree: Any) -> Any:
@@ -99,6 +100,25 @@ def _brief(e: BaseException) -> str:
     # tensorstore puts a whole JSON spec in its messages; the chained exception keeps it all.
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _check_read(where: str, part: str, restored: Any, target: Any) -> None:
+    """CheckpointCorruptedError naming the first leaf the restore wanted and orbax lacked.
+
+    orbax returns what it stored where the target has a leaf it stored as None (an empty
+    node): a meta item whose ``zeros`` field lost a leaf must not pass as a shorter tree.
+    """
+    got, want = _leaf_paths(restored), _leaf_paths(target)
+    if got != want:
+        missing = sorted(set(want) - set(got)) or sorted(set(got) - set(want)) or want
+        raise CheckpointCorruptedError(
+            f"{where}: record.{part}{missing[0]} is neither in the part's orbax item nor "
+            f"listed as zeros: orbax read {len(got)} arrays, the restore expects {len(want)}"
+        )
 
 
 class Checkpointer:
@@ -131,6 +151,13 @@ class Checkpointer:
         by the next ``save``.
       read_only: True opens an existing directory to restore only: no lock, no cleanup,
         ``save`` refused.
+      zeros_as_metadata: True saves each array leaf whose bytes are all zero (fresh AdamW
+        moments, an emptied ``GradientAccumulator``) as a line of the meta item instead of
+        data, and restores it as zeros in the template's placement; its checksum is still
+        saved and checked. Plain orbax reads such a leaf as ``None`` (orbax's empty node)
+        and everything else as usual. The check costs one pass over the host copies on the
+        caller's thread (about 8 ms per 100 MB on a CPU) and, in a multi-process run, an
+        all-gather of one byte per leaf. False (the default) writes every leaf.
 
     Raises:
       CheckpointLockedError: another Checkpointer (not ``read_only``) has the directory open.
@@ -159,11 +186,14 @@ class Checkpointer:
         keep: int = 3,
         async_save: bool = False,
         read_only: bool = False,
+        zeros_as_metadata: bool = False,
     ) -> None:
         self.directory = normalize_root(directory)
         check_positive_int("keep", keep)
         check_bool("async_save", async_save)
         check_bool("read_only", read_only)
+        check_bool("zeros_as_metadata", zeros_as_metadata)
+        self._zeros_as_metadata = zeros_as_metadata
         self._async_save = async_save
         self._read_only = read_only
         self._lock: DirectoryLock | None = None
@@ -268,9 +298,18 @@ class Checkpointer:
             "checksum_algorithm": default_algorithm(),
         }
         parts = {p: key_data(parts[p]) for p in present}  # typed keys as their data
-        meta = MetaSave(fields, parts, exchange_key(step))
+        written = parts
+        if self._zeros_as_metadata:
+            zeros = {p: zero_paths(parts[p]) for p in present}
+            zeros = {p: paths for p, paths in zeros.items() if paths}
+            if zeros:
+                fields["zeros"] = zeros  # makes the meta item format 3
+                written = {p: without(parts[p], zeros.get(p, [])) for p in present}
+        meta = MetaSave(fields, parts, exchange_key(step))  # every leaf hashed, zeros too
         # orbax refuses an item without arrays; its structure comes back from the template.
-        items = {p: ocp.args.StandardSave(parts[p]) for p in present if jax.tree.leaves(parts[p])}
+        items = {
+            p: ocp.args.StandardSave(written[p]) for p in present if jax.tree.leaves(written[p])
+        }
         self._wait()  # as orbax's save would; then nothing moves
         empty_trash(self.directory)
         self._check_new_step(step, overwrite)
@@ -416,13 +455,12 @@ class Checkpointer:
         if recorded is not None:
             targets = {p: retyped(p, targets[p], recorded) for p in PARTS}
         keys, targets = targets, {p: data_template(targets[p]) for p in PARTS}  # key data
-        stored = [p for p in present if jax.tree.leaves(targets[p])]
+        zeros = meta.zeros or {}
+        placed = {p: _template(targets[p]) for p in present}
+        read = {p: without(placed[p], zeros.get(p, [])) for p in present}
+        stored = [p for p in present if jax.tree.leaves(read[p])]
         items = {
-            p: restore_args(
-                _template(targets[p]),
-                meta.raw.get("sharded", {}).get(p, {}),
-                os.path.join(where, p),
-            )
+            p: restore_args(read[p], meta.raw.get("sharded", {}).get(p, {}), os.path.join(where, p))
             for p in stored
         }
         try:
@@ -434,11 +472,16 @@ class Checkpointer:
                 f"{where}: reading {', '.join(f'record.{p}' for p in stored)} failed, the "
                 f"checkpoint's files are damaged or incomplete: {_brief(e)}"
             ) from e
-        out = {
-            p: place_unplaced(restored[p], targets[p]) if p in stored else targets[p]
-            for p in present
-        }
-        for p in stored:  # after placing: what is checked is what the caller gets
+        for p in stored:
+            _check_read(where, p, restored[p], read[p])
+        arrays = [p for p in present if p in stored or p in zeros]  # read, or made as zeros
+        out = {p: targets[p] for p in present}  # a part without arrays: the template's tree
+        for p in arrays:
+            out[p] = place_unplaced(
+                with_zeros(restored[p] if p in stored else None, placed[p], zeros.get(p, [])),
+                targets[p],
+            )
+        for p in arrays:  # after placing: what is checked is what the caller gets
             verify_checksums(where, p, meta.checksums[p], out[p], meta.checksum_algorithm)
             out[p] = rewrap(out[p], keys[p])
         if like.state is not None:

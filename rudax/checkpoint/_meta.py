@@ -2,7 +2,8 @@
 
 Every step holds, beside one orbax item per record part, a JSON item ``meta``::
 
-    format          2, the version of this layout (1: before checksum_algorithm)
+    format          2, the version of this layout (1: before checksum_algorithm); 3 when
+                    it has a ``zeros`` field, so that a rudax that would miss it refuses
     rudax_version   the rudax that wrote it
     step            the step number, equal to the directory's name
     parts           the record parts saved, in ``PARTS`` order
@@ -14,6 +15,8 @@ Every step holds, beside one orbax item per record part, a JSON item ``meta``::
     checksums       {part: {path: 8 hex digits}} of every array leaf (see ``_integrity.py``)
     checksum_algorithm  "crc32c" or "fmix32-sum", the checksums' algorithm; absent in
                     format 1, whose checksums are all "fmix32-sum"
+    zeros           (format 3 only) {part: [path, ...]} of array leaves saved as known
+                    zeros: not in the part's orbax item, made again on restore (``_zeros.py``)
     digest          SHA-256 of the canonical JSON text of all the other fields: an integrity
                     check against accidents, not a signature (see below)
 
@@ -41,8 +44,9 @@ from rudax.checkpoint._record import DTYPE_NAMES, FLOAT_DTYPE_NAMES, PARTS, PYTH
 from rudax.checkpoint._version import RUDAX_VERSION
 
 FORMAT = 2
+ZEROS_FORMAT = 3  # FORMAT with a zeros field: written only by saves that elide zeros
 # Formats this rudax reads: 1 is 2 without checksum_algorithm (every checksum fmix32-sum).
-READABLE_FORMATS = (1, 2)
+READABLE_FORMATS = (1, 2, 3)
 _FIELDS = (
     "format",
     "rudax_version",
@@ -69,6 +73,7 @@ class Meta(NamedTuple):
     checksums: dict[str, dict[str, str]]
     raw: dict[str, Any]  # the whole item, fields of other rudax modules included
     checksum_algorithm: str = LEGACY
+    zeros: dict[str, list[str]] | None = None  # {part: paths} saved as known zeros, if any
 
 
 def _digest(fields: dict[str, Any]) -> str:
@@ -87,9 +92,12 @@ def build_meta(
     checksums: dict[str, dict[str, str]],
     **extra: Any,
 ) -> dict[str, Any]:
-    """The meta item's JSON data, digest included; ``extra`` fields are written as given."""
+    """The meta item's JSON data, digest included; ``extra`` fields are written as given.
+
+    A non-empty ``zeros`` field makes it format 3; without one it is format 2.
+    """
     fields = {
-        "format": FORMAT,
+        "format": ZEROS_FORMAT if extra.get("zeros") else FORMAT,
         "rudax_version": RUDAX_VERSION,
         "step": step,
         "parts": parts,
@@ -216,6 +224,7 @@ def parse_meta(raw: Any, *, step: int, where: str) -> Meta:
         )
         if not ok:
             raise _fail(where, f"checksums.{part}", "must map paths to 8 hex digits", table)
+    zeros = _check_zeros(where, raw, layout, checks)
     fields = {k: v for k, v in raw.items() if k != "digest"}
     if raw["digest"] != _digest(fields):
         raise CheckpointCorruptedError(
@@ -232,4 +241,32 @@ def parse_meta(raw: Any, *, step: int, where: str) -> Meta:
         checksums=checks,
         raw=raw,
         checksum_algorithm=algorithm,
+        zeros=zeros,
     )
+
+
+def _check_zeros(
+    where: str,
+    raw: dict[str, Any],
+    layout: dict[str, list[list[Any]]],
+    checks: dict[str, dict[str, str]],
+) -> dict[str, list[str]] | None:
+    """The zeros field (format 3 only): each path an array leaf of its part, checksum zero."""
+    if raw["format"] < ZEROS_FORMAT:
+        return None
+    zeros = raw.get("zeros")
+    if type(zeros) is not dict or not zeros or not set(zeros) <= set(layout):
+        raise _fail(where, "zeros", f"must map saved parts {sorted(layout)} to paths", zeros)
+    for part, paths in zeros.items():
+        arrays = {row[0] for row in layout[part] if row[1] != "python"}
+        if not (type(paths) is list and paths and len(set(paths)) == len(paths)):
+            raise _fail(where, f"zeros.{part}", "must be a list of distinct paths", paths)
+        for path in paths:
+            if type(path) is not str or path not in arrays:
+                raise _fail(where, f"zeros.{part}", "must list array leaves of the part", path)
+            # An all-zero leaf's checksum is 0 under both algorithms: a cheap consistency check.
+            if checks[part].get(path) != "00000000":
+                raise _fail(
+                    where, f"zeros.{part}", f"lists {path}, whose checksum is not zero", path
+                )
+    return zeros

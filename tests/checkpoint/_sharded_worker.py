@@ -50,7 +50,14 @@ def update(params, opt_state):
     return optax.apply_updates(params, updates), opt_state
 
 
-def main(directory):
+def zero_rows(process):
+    """The rows of the "zeros" test's two extra leaves a process holds (2 ranks x 2 rows)."""
+    zero = np.zeros((4, 2), np.int32)
+    half = zero if process == 0 else np.full((4, 2), 5, np.int32)  # nonzero in process 1 only
+    return zero, half
+
+
+def main(directory, zeros=False):
     import rudax.checkpoint as rc
     import rudax.sharding as rs
 
@@ -87,13 +94,16 @@ def main(directory):
         NamedSharding(mesh, P(AX, None)), rows, values["order"].shape
     )
     params, opt_state = jax.jit(update)(params, make_tx().init(params))
-    record = rc.TrainingRecord.capture(
-        model=params, optimizer=opt_state, state={"order": order, "epoch": 2}
-    )
+    state = {"order": order, "epoch": 2}
+    if zeros:  # two more leaves: zero everywhere, and zero in process 0's shards only
+        spec = NamedSharding(mesh, P(AX, None))
+        for name, rows in zip(("zero", "half"), zero_rows(jax.process_index()), strict=True):
+            state[name] = jax.make_array_from_process_local_data(spec, rows, (8, 2))
+    record = rc.TrainingRecord.capture(model=params, optimizer=opt_state, state=state)
     # Each process can see only its own shards: a host gather would need a collective.
     leaves = [x for x in jax.tree.leaves(record) if isinstance(x, jax.Array)]
     sharded = sum(not x.is_fully_addressable for x in leaves)
-    with rc.Checkpointer(directory) as ckpt:
+    with rc.Checkpointer(directory, zeros_as_metadata=zeros) as ckpt:
         ckpt.save(STEP, record)
     return {
         "process_index": jax.process_index(),

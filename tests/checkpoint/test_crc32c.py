@@ -177,7 +177,7 @@ def test_an_unknown_algorithm_or_format_is_a_checkpoint_error(tmp_path):
     original = json.loads(path.read_text())
     for field, value, match in (
         ("checksum_algorithm", "md5", r"checksum_algorithm must be one of"),
-        ("format", 3, r"format must be one of \(1, 2\)"),
+        ("format", 4, r"format must be one of \(1, 2, 3\)"),
     ):
         meta = {k: v for k, v in original.items() if k != "digest"}
         meta[field] = value

@@ -222,7 +222,7 @@ def _set(key, value):
         ("", r"the meta item cannot be read: JSONDecodeError"),
         ("[1, 2]", r"meta field <root> must be a JSON object"),
         (lambda m: m.pop("checksums"), r"the meta item has no field 'checksums'"),
-        (_set("format", 3), r"meta field format must be one of \(1, 2\)"),
+        (_set("format", 4), r"meta field format must be one of \(1, 2, 3\)"),
         (_set("step", 7), r"meta field step must be 2, the directory's step, got 7"),
         (_set("parts", "model"), r"meta field parts must list distinct names"),
         (_set("parts", ["model", "weights"]), r"meta field parts must list distinct names"),
