@@ -13,10 +13,15 @@ files in one directory:
   returns (what the train loop waits for) and until ``wait()`` returns (committed);
 - warm reads, right after the writes: raw read of the file into a new buffer, plain orbax's
   ``StandardRestore`` and ``Checkpointer.restore`` of the sync checkpoints
-  (``block_until_ready``);
+  (``block_until_ready``), and ``restore`` after the caller freed a template of live arrays
+  (what donating the template's memory to the restore could at best give back);
 - fresh memory: allocating and touching as many bytes, the cost every read arm pays too;
-- cold reads: the same after evicting every file from the page cache
-  (``posix_fadvise(POSIX_FADV_DONTNEED)`` after ``fsync``).
+- cold reads: the same after emptying the page cache: ``sync; echo 3 >
+  /proc/sys/vm/drop_caches`` where the benchmark may (as root), else
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file after ``fsync`` (the table says which);
+- step 0: the same state as a run's first checkpoint holds it (AdamW's moments zero, the
+  masters the parameters), saved and restored with every leaf written and with
+  ``zeros_as_metadata=True``, against a checkpoint of the parameters alone.
 
 The table gives each arm's median seconds and MB/s (MB = 10**6 bytes of array data), and each
 checkpoint arm's throughput relative to the raw arm of the same kind *in the same round*,
@@ -62,7 +67,9 @@ WRITES = (
     "save (async)",
 )
 READS = ("raw read", "orbax restore", "restore")
+FREED = "restore (template freed)"
 ASYNC = ("orbax save (async)", "save (async)")
+STEP0 = ("step 0", "step 0 zeros_as_metadata", "params only")
 
 
 def build_record(gb: float, seed: int) -> rc.TrainingRecord:
@@ -89,6 +96,28 @@ def build_record(gb: float, seed: int) -> rc.TrainingRecord:
     optimizer = jax.tree.map(fill, jax.eval_shape(tx.init, layout))
     state = {"rng": jax.random.key_data(jax.random.key(seed)), "data_position": 123, "run": "b"}
     return rc.TrainingRecord.capture(model=model, optimizer=optimizer, state=state)
+
+
+def step0_record(record: rc.TrainingRecord) -> rc.TrainingRecord:
+    """record as at step 0: the same parameters and masters, AdamW's moments all zero."""
+
+    def fresh(path: tuple, x: object) -> object:
+        moment = "exp_avg" in jax.tree_util.keystr(path)
+        return jnp.zeros_like(x) if moment and isinstance(x, jax.Array) else x
+
+    optimizer = jax.tree_util.tree_map_with_path(fresh, record.optimizer)
+    return rc.TrainingRecord.capture(model=record.model, optimizer=optimizer, state=record.state)
+
+
+def drop_page_cache() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False where this process may not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        return False
+    return True
 
 
 def host_views(record: rc.TrainingRecord) -> list[np.ndarray]:
@@ -147,10 +176,11 @@ def rotate(names: tuple[str, ...], r: int) -> tuple[str, ...]:
     return names[r % len(names) :] + names[: r % len(names)]
 
 
-def one_round(here: Path, r: int, record, views, times: dict, *, check: bool) -> int:
+def one_round(here: Path, r: int, record, views, times: dict, *, check: bool) -> dict:
     """Every arm once, in round r's order; files go into ``here``, deleted at the end.
 
-    Returns the bytes the sync checkpoint took on disk.
+    Returns {"disk": bytes the sync checkpoint took, "step 0 disk": {arm: bytes}, "cold": how
+    the page cache was emptied}.
     """
     nbytes = sum(v.nbytes for v in views)
     here.mkdir()
@@ -190,11 +220,14 @@ def one_round(here: Path, r: int, record, views, times: dict, *, check: bool) ->
         times["fresh memory"].append(time.perf_counter() - start)
         del fresh
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+        cold = "posix_fadvise(DONTNEED)"
         for cache in ("warm", "cold"):
             if cache == "cold":
                 evict(raw)
                 evict(here / "sync")
                 evict(here / "orbax_sync")
+                if drop_page_cache():
+                    cold = "drop_caches"
             for arm in rotate(READS, r):
                 start = time.perf_counter()
                 if arm == "raw read":
@@ -211,15 +244,56 @@ def one_round(here: Path, r: int, record, views, times: dict, *, check: bool) ->
                 if check and arm == "restore":
                     assert_same(out, record, f"restore ({cache})")
                 del out
+        # The template's memory given back before the restore, as a donated template's
+        # would be: a copy of the record, made untimed, deleted first thing.
+        template = jax.tree.map(lambda x: x + 0 if isinstance(x, jax.Array) else x, record)
+        jax.block_until_ready(template)
+        start = time.perf_counter()
+        for x in jax.tree.leaves(template):
+            if isinstance(x, jax.Array):
+                x.delete()
+        out = jax.block_until_ready(ckpts["save (sync)"].restore(abstract_record(record)))
+        times[FREED].append(time.perf_counter() - start)
+        del out, template
         if check:
             assert_same(ckpts["save (async)"].restore(record), record, "async save")
-        return disk_bytes(here / "sync")
+        step0_disk = step0_round(here, r, record, times, check=check)
+        return {"disk": disk_bytes(here / "sync"), "step 0 disk": step0_disk, "cold": cold}
     finally:
         for ckpt in ckpts.values():
             ckpt.close()
         for manager in managers.values():
             manager.close()
         shutil.rmtree(here)
+
+
+def abstract_record(record: rc.TrainingRecord) -> rc.TrainingRecord:
+    """record's arrays as ShapeDtypeStructs (no placement): a template that holds no memory."""
+    struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+    return jax.tree.map(struct, record)
+
+
+def step0_round(here: Path, r: int, record, times: dict, *, check: bool) -> dict:
+    """The step-0 arms, in round r's order: save, then restore (warm). {arm: disk bytes}."""
+    records = {
+        "step 0": step0_record(record),
+        "params only": rc.TrainingRecord.capture(model=record.model, optimizer=()),
+    }
+    records["step 0 zeros_as_metadata"] = records["step 0"]
+    disk = {}
+    for arm in rotate(STEP0, r):
+        with rc.Checkpointer(here / arm.replace(" ", "_"), zeros_as_metadata="zeros" in arm) as c:
+            start = time.perf_counter()
+            c.save(r, records[arm])
+            times[f"{arm} save"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            out = jax.block_until_ready(c.restore(records[arm]))
+            times[f"{arm} restore"].append(time.perf_counter() - start)
+            if check:
+                assert_same(out, records[arm], arm)
+            del out
+        disk[arm] = disk_bytes(here / arm.replace(" ", "_"))
+    return disk
 
 
 def summarize(times: dict, nbytes: int) -> list[dict]:
@@ -247,8 +321,25 @@ def summarize(times: dict, nbytes: int) -> list[dict]:
         if orbax is not None:
             row["vs_orbax"] = ratio_summary(times[orbax], ts)
         rows.append(row)
+    median = statistics.median(times[FREED])
+    rows.append(
+        {
+            "arm": FREED,
+            "median_s": median,
+            "mb_per_s": nbytes / MB / median,
+            "vs_orbax": ratio_summary(times["orbax restore (warm)"], times[FREED]),
+            "vs_restore": ratio_summary(times["restore (warm)"], times[FREED]),
+        }
+    )
     median = statistics.median(times["fresh memory"])
     rows.append({"arm": "fresh memory", "median_s": median, "mb_per_s": nbytes / MB / median})
+    for arm in STEP0:  # time ratios against the parameters alone (lower is better)
+        for op in ("save", "restore"):
+            name = f"{arm} {op}"
+            row = {"arm": name, "median_s": statistics.median(times[name]), "mb_per_s": None}
+            if arm != "params only":
+                row["vs_params"] = ratio_summary(times[name], times[f"params only {op}"])
+            rows.append(row)
     for arm in ASYNC:
         row = {
             "arm": f"{arm} blocking",
@@ -290,23 +381,25 @@ def main(argv: list[str] | None = None) -> None:
         # Untimed: a small save and restore first, so no arm pays orbax's first-call costs.
         warm = build_record(0.002, args.seed)
         one_round(root / "warmup", 0, warm, host_views(warm), _empty_times(), check=True)
-        times, on_disk = _empty_times(), []
+        times, rounds = _empty_times(), []
         for r in range(args.rounds):
             # The first round also checks that each restore returns the bytes saved.
-            on_disk.append(one_round(root / f"round{r}", r, record, views, times, check=r == 0))
+            rounds.append(one_round(root / f"round{r}", r, record, views, times, check=r == 0))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     rows = summarize(times, nbytes)
-    overhead = statistics.median(on_disk) / nbytes
+    overhead = statistics.median(r["disk"] for r in rounds) / nbytes
+    cold = sorted({r["cold"] for r in rounds})
+    step0_disk = {arm: statistics.median(r["step 0 disk"][arm] for r in rounds) for arm in STEP0}
     fmt = lambda r: "" if r is None else f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
-    print(f"\n{'arm':<28} {'median s':>9} {'MB/s':>7}   {'vs raw':<22} {'vs plain orbax':<22}")
+    print(f"\n{'arm':<32} {'median s':>9} {'MB/s':>7}   {'vs raw':<22} {'vs plain orbax':<22}")
     for row in rows:
         mbps = "" if row["mb_per_s"] is None else f"{row['mb_per_s']:,.0f}"
-        orbax = row.get("vs_orbax") or row.get("blocking_vs_orbax")
+        other = row.get("vs_orbax") or row.get("blocking_vs_orbax") or row.get("vs_params")
         print(
-            f"{row['arm']:<28} {row['median_s']:>9.3f} {mbps:>7}   "
-            f"{fmt(row.get('vs_raw')):<22} {fmt(orbax):<22}"
+            f"{row['arm']:<32} {row['median_s']:>9.3f} {mbps:>7}   "
+            f"{fmt(row.get('vs_raw')):<22} {fmt(other):<22}"
         )
     print(
         "\nnotes: ratios are throughput vs the raw arm and vs plain orbax (CheckpointManager,"
@@ -317,8 +410,15 @@ def main(argv: list[str] | None = None) -> None:
         " metadata).\n"
         "- warm reads come right after the writes, from the page cache, for both arms alike:"
         " they measure memory and deserialization, not the disk.\n"
-        "- cold reads follow posix_fadvise(DONTNEED) on every file; on a virtual machine the"
-        " host may still cache the disk, so 'cold' can beat the physical device.\n"
+        f"- cold reads follow {' and '.join(cold)} (posix_fadvise(DONTNEED) on every file, then"
+        " drop_caches where permitted); on a virtual machine the host may still cache the"
+        " disk, so 'cold' can beat the physical device.\n"
+        f"- {FREED}: the template's arrays deleted just before the restore, timed with it;"
+        " its last column is throughput vs plain orbax (and vs_restore in the JSON).\n"
+        "- step-0 rows: the last column is the arm's time over the 'params only' arm's"
+        " (lower is better); on disk: "
+        + ", ".join(f"{arm} {step0_disk[arm] / MB:,.0f} MB" for arm in STEP0)
+        + ".\n"
         "- both read arms allocate new memory for what they read, as a restore must; 'fresh"
         " memory' is what allocating and touching that much costs alone (on a VM whose host"
         " reclaims freed pages it can dominate every arm).\n"
@@ -329,13 +429,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.json is not None:
         result = {"args": {k: str(v) for k, v in vars(args).items()}, "bytes": nbytes}
-        result.update(rows=rows, times=times, checkpoint_disk_bytes=on_disk)
+        result.update(rows=rows, times=times, rounds=rounds)
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
 
 
 def _empty_times() -> dict[str, list]:
-    names = [*WRITES, *(f"{arm} blocking" for arm in ASYNC), "fresh memory"]
+    names = [*WRITES, *(f"{arm} blocking" for arm in ASYNC), "fresh memory", FREED]
+    names += [f"{arm} {op}" for arm in STEP0 for op in ("save", "restore")]
     names += [f"{arm} ({cache})" for cache in ("warm", "cold") for arm in READS]
     return {name: [] for name in names}
 

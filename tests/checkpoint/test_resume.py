@@ -119,7 +119,14 @@ def test_checkpoint_benchmark_runs(tmp_path, capsys):
         "raw read (cold)",
         "orbax restore (cold)",
         "restore (cold)",
+        "restore (template freed)",
         "fresh memory",
+        "step 0 save",
+        "step 0 restore",
+        "step 0 zeros_as_metadata save",
+        "step 0 zeros_as_metadata restore",
+        "params only save",
+        "params only restore",
         "orbax save (async) blocking",
         "save (async) blocking",
     ]
@@ -129,5 +136,12 @@ def test_checkpoint_benchmark_runs(tmp_path, capsys):
     for arm in ("save (sync)", "save (async)", "restore (warm)", "restore (cold)"):
         assert len(by_arm[arm]["vs_orbax"]) == 3 and len(by_arm[arm]["vs_raw"]) == 3, arm
     assert len(by_arm["save (async) blocking"]["blocking_vs_orbax"]) == 3
+    assert len(by_arm["restore (template freed)"]["vs_restore"]) == 3
+    for arm in ("step 0", "step 0 zeros_as_metadata"):  # against the parameters alone
+        assert len(by_arm[f"{arm} save"]["vs_params"]) == 3
+        assert len(by_arm[f"{arm} restore"]["vs_params"]) == 3
+    (round0,) = result["rounds"]
+    assert round0["cold"] in ("drop_caches", "posix_fadvise(DONTNEED)")
+    assert sorted(round0["step 0 disk"]) == sorted(bench.STEP0)
     assert all(arm in table for arm in arms)
     assert os.listdir(tmp_path) == ["result.json"]
