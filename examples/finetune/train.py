@@ -520,6 +520,8 @@ def _check_identity(run_dir: Path, identity: dict[str, Any]) -> None:
 
 def _checkpointer(run_dir: Path, *, keep: int) -> rc.Checkpointer:
     try:
-        return rc.Checkpointer(run_dir / "checkpoints", keep=keep)
+        # Saves fall on update boundaries: the accumulator is empty, all zeros (see
+        # examples/lm/train.py), and so are the LoRA B matrices and moments at step 0.
+        return rc.Checkpointer(run_dir / "checkpoints", keep=keep, zeros_as_metadata=True)
     except rc.CheckpointLockedError as e:
         raise UsageError(f"{run_dir}: its checkpoints are in use: {e}") from e

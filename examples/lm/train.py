@@ -545,7 +545,10 @@ def _resume(
 def _writer(directory: Path, *, keep: int) -> rc.Checkpointer:
     """The run's Checkpointer; UsageError if another process has the directory open."""
     try:
-        return rc.Checkpointer(directory, keep=keep)
+        # Saves fall on update boundaries: the accumulator is empty, all zeros, and at step 0
+        # so are AdamW's moments. Listed in the meta item, they are not written (rudax reads
+        # them back as zeros; plain orbax sees None for them).
+        return rc.Checkpointer(directory, keep=keep, zeros_as_metadata=True)
     except rc.CheckpointLockedError as e:
         raise UsageError(f"--run-dir {directory.parent}: its checkpoints are in use: {e}") from e
 
