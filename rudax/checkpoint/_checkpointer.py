@@ -8,7 +8,8 @@ arrays, whose structure the template gives back anyway) and a JSON item ``meta``
 dtype of every leaf), the caller state's Python leaves, the record's config and recorded
 dtypes, a checksum of every array and a digest of the whole item (both detect accidents, not
 tampering: see ``_meta.py``). Typed PRNG keys are stored as their key data and come back as
-keys of their impl (``_keys.py``). The checksums are computed
+keys of their impl (``_keys.py``). With ``zeros_as_metadata`` a leaf whose bytes are all zero
+is listed in the meta item instead of written (``_zeros.py``). The checksums are computed
 from the host copies of the arrays inside orbax's commit (``_meta_handler.py``): an async save
 returns once the arrays are copied to the host, and the step commits once they are hashed and
 written.
