@@ -7,7 +7,8 @@ parameter storage while keeping tied variables tied and frozen ones frozen. ``ap
 puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
 ``save_adapter`` / ``load_adapter`` read and write peft's adapter files. ``NF4Linear`` is a
 frozen base stored in 4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
-``apply_lora(..., quantize_base="nf4")`` builds while it adapts.
+``apply_lora(..., quantize_base="nf4")`` builds while it adapts. ``remat`` checkpoints a
+block's activations under a named policy (``REMAT_POLICIES``).
 """
 
 # Public names, re-exported one per line (``from rudax.layers._x import a as a``), sorted as
@@ -33,6 +34,8 @@ from rudax.layers._norms import LayerNorm as LayerNorm
 from rudax.layers._norms import RMSNorm as RMSNorm
 from rudax.layers._peft import load_adapter as load_adapter
 from rudax.layers._peft import save_adapter as save_adapter
+from rudax.layers._remat import REMAT_POLICIES as REMAT_POLICIES
+from rudax.layers._remat import remat as remat
 
 __all__ = [
     "Dropout",
@@ -46,6 +49,7 @@ __all__ = [
     "ModuleNames",
     "NF4Linear",
     "Quantized",
+    "REMAT_POLICIES",
     "RMSNorm",
     "TiedProjection",
     "apply_lora",
@@ -53,6 +57,7 @@ __all__ = [
     "lookup",
     "lora_state",
     "merge_lora",
+    "remat",
     "save_adapter",
     "sorted_segment_sum",
     "to_dtype",
