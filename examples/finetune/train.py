@@ -38,6 +38,7 @@ The run, top to bottom:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -60,7 +61,7 @@ from examples.finetune import instructions
 from examples.finetune.data import FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
 from examples.lm import guard, hf_init
-from examples.lm.config import UsageError, _HelpFormatter, given_flags
+from examples.lm.config import REMAT_POLICIES, UsageError, _HelpFormatter, given_flags
 from examples.lm.guard import TrainingHalted
 from examples.lm.hf import export, hf_module_name, load_hf
 from examples.lm.host_memory import retain_freed_memory
@@ -72,7 +73,9 @@ DEFAULT_DATA = Path("data/instructions")
 # peft's names of a Llama's attention and MLP projections: QLoRA adapts all of them.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Flags that may change between the sessions of one run; every other one is the run's.
-SESSION_FLAGS = ("resume", "stop_at", "export", "name", "runs_dir", "run_dir")
+# Flags of one session, not of the run: a resumed run may change them. --remat changes
+# memory and time only (the gradients are the same: tests/lm/test_remat.py).
+SESSION_FLAGS = ("resume", "stop_at", "export", "name", "runs_dir", "run_dir", "remat")
 # Where the base and the data are: a resumed run may find them elsewhere (their contents are
 # what is checked: the base's digest and the data's identity), and takes the run's if not given.
 PLACES = ("base", "data", "val_data")
@@ -112,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--param-dtype", choices=sorted(DTYPES), default="bfloat16", help="unquantized storage"
     )
     model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
+    model.add_argument(
+        "--remat",
+        choices=REMAT_POLICIES,
+        default="none",
+        help="activation checkpointing of each block, as examples.lm.train's (may change on "
+        "--resume)",
+    )
     model.add_argument(
         "--targets",
         type=lambda s: [t.strip() for t in s.split(",")],
@@ -217,6 +227,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         )
     except ValueError as e:
         raise UsageError(f"--base {base_dir}: {e}") from e
+    model.config = dataclasses.replace(model.config, remat=args.remat)  # read when called
     base_digest = digest.hexdigest()
     try:
         adapted = rl.apply_lora(

@@ -22,6 +22,8 @@ from typing import Any
 MESH_AXES = ("data", "fsdp")
 OPTIMIZERS = ("adamw", "muon", "fused_adamw")
 DTYPES = ("bfloat16", "float32")
+# rudax.layers.REMAT_POLICIES, written out: this module is read before JAX is imported.
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims", "offload")
 
 # The flags that define a run: stored in its config and checked on --resume.
 RUN_KEYS = (
@@ -259,6 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="bit-identical runs on a GPU: XLA's deterministic GPU ops, and the embedding's "
         "gradient summed by a sorted segment sum instead of scatter-add atomics",
+    )
+    model.add_argument(
+        "--remat",
+        choices=REMAT_POLICIES,
+        default="none",
+        help="activation checkpointing of each block (not a run flag: a resumed run may "
+        "change it): none keeps every activation; full recomputes the block in the backward; "
+        "dots_saveable / dots_with_no_batch_dims keep matmul outputs; offload keeps them in "
+        "pinned host memory",
     )
     model.add_argument(
         "--compute-dtype",

@@ -100,6 +100,10 @@ class GPTConfig:
         the same up to float summation order.
       embedding_backward: how the input embedding's gradient is summed, ``"scatter"`` or
         ``"sorted"`` (no scatter-add atomics on a GPU: ``rudax.layers.Embedding``).
+      remat: each block's activation checkpointing policy, one of
+        ``rudax.layers.REMAT_POLICIES`` (``"none"``: keep every activation for the
+        backward; ``"full"``: keep each block's input only and recompute the rest). It
+        changes memory and time, not the gradients (``tests/lm/test_remat.py``).
 
     Example:
       >>> from examples.lm.model import GPTConfig
@@ -132,6 +136,7 @@ class GPTConfig:
     qkv_bias: bool = False
     rope_scaling: Llama3RopeScaling | None = None
     embedding_backward: str = "scatter"
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -162,6 +167,8 @@ class GPTConfig:
                 f'embedding_backward must be "scatter" or "sorted", got '
                 f"embedding_backward={self.embedding_backward!r}"
             )
+        if self.remat not in rl.REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {rl.REMAT_POLICIES}, got remat={self.remat!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise TypeError(
                 f"rope_scaling must be None or a Llama3RopeScaling, got "
@@ -391,7 +398,8 @@ class GPT(nnx.Module):
         x_BxTxD = self.embed(tokens_BxT)
         aux = []
         for block in self.blocks:
-            x_BxTxD, aux_l = block(x_BxTxD, segment_ids=segment_ids, positions=positions)
+            run = rl.remat(block, policy=self.config.remat)  # "none": the block itself
+            x_BxTxD, aux_l = run(x_BxTxD, segment_ids=segment_ids, positions=positions)
             aux.append(aux_l)
         return self.norm(x_BxTxD), jnp.mean(jnp.stack(aux))
 

@@ -67,6 +67,7 @@ def model_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPT
         top_k=args.top_k,
         moe_aux_weight=args.moe_aux_weight,
         embedding_backward="sorted" if getattr(args, "deterministic", False) else "scatter",
+        remat=getattr(args, "remat", "none"),
     )
 
 

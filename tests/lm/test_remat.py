@@ -1,0 +1,108 @@
+"""--remat: the GPT's blocks under activation checkpointing give the same gradients and the same
+training run, and need less temporary memory (XLA's own accounting)."""
+
+import dataclasses
+
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import rudax.layers as rl
+from examples.lm import config as cfg
+from examples.lm import train
+from examples.lm.model import GPT, GPTConfig, loss_sum
+from tests.lm.conftest import TINY
+from tests.lm.test_train import _losses
+
+CONFIG = GPTConfig(
+    vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4, loss_chunk=32,
+    param_dtype=jnp.float32, dtype=jnp.float32,
+)  # fmt: skip
+MOE = dataclasses.replace(CONFIG, num_experts=4, top_k=2)
+
+
+def _step(config):
+    graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+
+    def value_and_grad(state, batch):
+        return jax.value_and_grad(lambda s: loss_sum(nnx.merge(graphdef, s), batch)[0])(state)
+
+    return jax.jit(value_and_grad), state
+
+
+def _bits(tree):
+    return [
+        (jax.tree_util.keystr(p), np.asarray(x).tobytes())
+        for p, x in jax.tree.leaves_with_path(tree)
+    ]
+
+
+@pytest.mark.parametrize("base", [CONFIG, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("policy", [p for p in rl.REMAT_POLICIES if p != "none"])
+def test_gradients_equal_the_plain_ones_bitwise(base, policy):
+    batch = jax.random.randint(jax.random.key(1), (2, 33), 0, base.vocab_size)
+    plain, state = _step(base)
+    remat, _ = _step(dataclasses.replace(base, remat=policy))
+    want, got = plain(state, batch), remat(state, batch)
+    assert _bits(got) == _bits(want)
+
+
+def _saved(config, capsys):
+    """The residuals the backward keeps, one line each (``print_saved_residuals``)."""
+    graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+    batch = jnp.zeros((2, config.seq_len + 1), jnp.int32)
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda s: loss_sum(nnx.merge(graphdef, s), batch)[0], state
+    )
+    lines = capsys.readouterr().out.splitlines()
+    return [
+        line for line in lines if not any(w in line for w in ("argument", "constant", "literal"))
+    ]
+
+
+def test_full_remat_keeps_only_each_blocks_input(capsys):
+    deep = dataclasses.replace(CONFIG, n_layers=4)
+    stream = f"f32[2,{deep.seq_len},{deep.d_model}]"  # the residual stream: a block's input
+    full = _saved(dataclasses.replace(deep, remat="full"), capsys)
+    inside = [line for line in full if "attention.py" in line or "_matmul.py" in line]
+    assert not inside, inside  # nothing from inside a block: all of it is recomputed
+    assert sum(line.startswith(stream) for line in full) == deep.n_layers, full
+    plain = _saved(deep, capsys)
+    assert len(plain) > 4 * len(full)
+
+
+def test_the_flag_lists_the_library_policies_and_the_config_checks_them():
+    assert cfg.REMAT_POLICIES == rl.REMAT_POLICIES
+    with pytest.raises(ValueError, match=r"remat must be one of .* got remat='some'"):
+        GPTConfig(remat="some")
+
+
+def test_the_trainer_trains_the_same_run_and_may_change_it_on_resume(data, tmp_path):
+    flags = [*data, *TINY, "--optimizer", "adamw"]
+    plain = train.main([*flags, "--run-dir", str(tmp_path / "plain")])
+    full = train.main(
+        [*flags, "--remat", "full", "--run-dir", str(tmp_path / "full"), "--stop-at", "3"]
+    )
+    assert "remat" not in cfg.RUN_KEYS  # config.json records it, --resume does not check it
+    # Not a run flag: the resumed session checkpoints differently, trains the same.
+    resumed = train.main(
+        [
+            *(
+                "--resume",
+                "--run-dir",
+                str(tmp_path / "full"),
+                "--remat",
+                "dots_with_no_batch_dims",
+            ),
+            *("--log-every", "1", "--eval-every", "4"),  # session flags, not the run's
+        ]
+    )
+    assert resumed["step"] == plain["step"] == 8
+    want = _losses(plain["metrics"])
+    got = _losses(resumed["metrics"])
+    assert got == want
+    assert full["step"] == 3
