@@ -29,7 +29,7 @@ except ImportError:  # a JAX that moved it: the copy below
     _ArrayImpl = None
 
 
-def default_device() -> jax.Device:
+def default_device() -> Any:  # a jax.Device (pyright reads jax.Device as a variable)
     """The device ``jnp.asarray`` puts a new array on here (``jax.default_device`` aware)."""
     return next(iter(jax.numpy.zeros((), np.uint8).devices()))
 
@@ -40,7 +40,7 @@ def uncommitted(x: jax.Array) -> jax.Array:
         return x
     if _ArrayImpl is not None and isinstance(x, _ArrayImpl):
         try:
-            return _ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)
+            return _ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)  # pyright: ignore[reportAttributeAccessIssue]
         except (TypeError, AttributeError):
             pass
     # jnp.asarray keeps a committed array committed; through the host it is a new one.

@@ -108,7 +108,7 @@ def _unplaced(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
 
 
-def _target(x: Any, device: jax.Device) -> Any:
+def _target(x: Any, device: Any) -> Any:  # device: a jax.Device
     # Typed PRNG keys never get here: the checkpointer restores their key data (_keys.py).
     if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
         # A leaf that names no placement is read onto the default device, as jnp.asarray
