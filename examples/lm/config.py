@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pinned host memory",
     )
     model.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="run the blocks as one lax.scan (one block compiled, and remat effective on "
+        "every backend); the checkpoints are the same (not a run flag)",
+    )
+    model.add_argument(
         "--compute-dtype",
         choices=DTYPES,
         default="float32",

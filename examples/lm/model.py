@@ -104,6 +104,14 @@ class GPTConfig:
         ``rudax.layers.REMAT_POLICIES`` (``"none"``: keep every activation for the
         backward; ``"full"``: keep each block's input only and recompute the rest). It
         changes memory and time, not the gradients (``tests/lm/test_remat.py``).
+      scan_layers: run the blocks as one ``lax.scan`` over their parameters stacked on a
+        leading axis, instead of a Python loop: XLA compiles one block instead of
+        ``n_layers``, and remat then lowers memory on every backend (XLA:CPU compiles an
+        unrolled loop's remat away: ``rudax/layers/_remat.py``). The blocks are stored as
+        before, one module each, so checkpoints, Hugging Face files, LoRA and ``shard`` see
+        no difference; the stacking is done inside the step (one copy of the blocks'
+        parameters, and of their gradients, per step). Blocks that hold RNG state (dropout)
+        are refused: a scan would give every block the same draws.
 
     Example:
       >>> from examples.lm.model import GPTConfig
@@ -137,6 +145,7 @@ class GPTConfig:
     rope_scaling: Llama3RopeScaling | None = None
     embedding_backward: str = "scatter"
     remat: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -160,7 +169,7 @@ class GPTConfig:
             raise ValueError(
                 f"n_kv_heads must divide n_heads={self.n_heads}, got n_kv_heads={n_kv_heads}"
             )
-        for name in ("tie_embeddings", "fused_qkv", "qkv_bias"):
+        for name in ("tie_embeddings", "fused_qkv", "qkv_bias", "scan_layers"):
             check_bool(name, getattr(self, name))
         if self.embedding_backward not in ("scatter", "sorted"):
             raise ValueError(
@@ -396,12 +405,55 @@ class GPT(nnx.Module):
             if value is not None:
                 _check_like_tokens(name, value, tokens_BxT.shape)
         x_BxTxD = self.embed(tokens_BxT)
+        context = {"segment_ids": segment_ids, "positions": positions}
+        if self.config.scan_layers:
+            x_BxTxD, aux_L = scan_blocks(self.blocks, x_BxTxD, context, self.config.remat)
+            return self.norm(x_BxTxD), jnp.mean(aux_L)
         aux = []
         for block in self.blocks:
             run = rl.remat(block, policy=self.config.remat)  # "none": the block itself
-            x_BxTxD, aux_l = run(x_BxTxD, segment_ids=segment_ids, positions=positions)
+            x_BxTxD, aux_l = run(x_BxTxD, **context)
             aux.append(aux_l)
         return self.norm(x_BxTxD), jnp.mean(jnp.stack(aux))
+
+
+def scan_blocks(
+    blocks: Any, x_BxTxD: jax.Array, context: dict[str, Any], remat: str
+) -> tuple[jax.Array, jax.Array]:
+    """``x, aux_l = block(x, **context)`` for each block in turn, as one ``lax.scan``.
+
+    Each block's state (``nnx.split``) is stacked on a new leading axis and the scan's body
+    merges one slice into the blocks' common graph: the parameters stay stored one module
+    per block. Under ``remat`` the body is checkpointed (without ``prevent_cse``, which a
+    scan makes unnecessary: its backward is a loop that recomputes one block at a time).
+
+    Returns:
+      The last block's output and every block's aux loss, ``[n_layers]``.
+
+    Raises:
+      ValueError: the blocks differ in structure (the first that does is named), or hold
+        RNG state.
+    """
+    splits = [nnx.split(block) for block in blocks]
+    graphdef = splits[0][0]
+    for i, (other, _) in enumerate(splits):
+        if other != graphdef:
+            raise ValueError(
+                f"scan_layers: blocks[{i}] differs in structure from blocks[0] (another "
+                "layer type, shape or adapter); a scan runs one block's program for all"
+            )
+        if jax.tree.leaves(nnx.state(blocks[i], nnx.RngState)):
+            raise ValueError(
+                f"scan_layers: blocks[{i}] holds RNG state (dropout): a scan would draw the "
+                "same numbers in every block; run without dropout, or without scan_layers"
+            )
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
+
+    def body(x_BxTxD: jax.Array, state: Any) -> tuple[jax.Array, jax.Array]:
+        block = nnx.merge(graphdef, state)
+        return rl.remat(block, policy=remat, prevent_cse=False)(x_BxTxD, **context)
+
+    return jax.lax.scan(body, x_BxTxD, stacked)
 
 
 def _check_tokens(name: str, tokens: jax.Array, max_len: int) -> None:

@@ -68,6 +68,7 @@ def model_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPT
         moe_aux_weight=args.moe_aux_weight,
         embedding_backward="sorted" if getattr(args, "deterministic", False) else "scatter",
         remat=getattr(args, "remat", "none"),
+        scan_layers=getattr(args, "scan_layers", False),
     )
 
 
