@@ -18,8 +18,8 @@ written. At the end ``--out`` holds:
 The stages: the environment; the kernel, layer and fused-optimizer tests compiled for the GPU
 (they interpret Pallas only where there is no GPU); ``benchmarks.kernels``;
 ``benchmarks.gpu_trainer`` (tokens/s and MFU); ``benchmarks.gpu_determinism``;
-``benchmarks.embedding_backward`` under XLA's deterministic flags. Exit code 0 when every
-stage is "ok".
+``benchmarks.embedding_backward`` under XLA's deterministic flags; ``benchmarks.remat``
+(XLA's temporary bytes per remat policy). Exit code 0 when every stage is "ok".
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def default_stages() -> list[Stage]:
         ),
         Stage(
             "tests",
-            140,
+            120,
             (
                 py,
                 "-m",
@@ -130,7 +130,7 @@ def default_stages() -> list[Stage]:
         ),  # fmt: skip
         Stage(
             "kernels",
-            100,
+            90,
             (
                 py,
                 "-m",
@@ -152,7 +152,7 @@ def default_stages() -> list[Stage]:
         ),
         Stage(
             "determinism",
-            90,
+            85,
             (py, "-m", "benchmarks.gpu_determinism", "--json", "{out}/determinism.json"),
             _json_file("determinism"),
         ),
@@ -168,6 +168,29 @@ def default_stages() -> list[Stage]:
                 "{out}/embedding.json",
             ),
             _json_file("embedding"),
+        ),  # fmt: skip
+        # Does XLA:GPU keep an unrolled loop's remat (XLA:CPU compiles it away)? temp bytes
+        # and step time, unrolled and scanned, without remat and with "full", for the
+        # default GPT and one 2x as deep.
+        Stage(
+            "remat",
+            45,
+            (
+                py,
+                "-m",
+                "benchmarks.remat",
+                "--policies",
+                "full",
+                "--deep-factor",
+                "2",
+                "--rounds",
+                "3",
+                "--iters",
+                "3",
+                "--json",
+                "{out}/remat.json",
+            ),
+            _json_file("remat"),
         ),  # fmt: skip
     ]
 
@@ -308,6 +331,21 @@ def _embedding(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _remat(r: dict[str, Any]) -> list[str]:
+    lines = ["remat: XLA temp bytes and step time, ratios vs unrolled none [min, max]", "",
+             "| model | layout | policy | temp MB | temp vs none | step ms | step vs none |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in r["rows"]:
+        step = row["step_vs_none"]
+        lines.append(
+            f"| {row['model']} | {row['layout']} | {row['policy']} | "
+            f"{row['temp_bytes'] / 1e6:.1f} | "
+            f"{row['temp_vs_none']:.3f} | {row['step_s'] * 1e3:.2f} | "
+            f"{step[0]:.3f} [{step[1]:.3f}, {step[2]:.3f}] |"
+        )
+    return lines
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "env": _env,
     "tests": _tests,
@@ -315,6 +353,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "trainer": _trainer,
     "determinism": _determinism,
     "embedding": _embedding,
+    "remat": _remat,
 }
 
 

@@ -106,7 +106,7 @@ def test_junit_counts(tmp_path):
 
 def test_default_stages_fit_eight_minutes_and_name_what_exists():
     stages = gpu_check.default_stages()
-    names = ["env", "tests", "kernels", "trainer", "determinism", "embedding"]
+    names = ["env", "tests", "kernels", "trainer", "determinism", "embedding", "remat"]
     assert [s.name for s in stages] == names
     assert sum(s.budget_s for s in stages) <= 8 * 60
     script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
@@ -145,6 +145,40 @@ def test_embedding_stage_runs_here_at_a_tiny_size(tmp_path):
     )
     assert [r["arm"] for r in results["rows"]] == ["scatter", "sorted", "one-hot"]
     assert "sorted:" in "\n".join(gpu_check._embedding(results))
+
+
+def test_remat_stage_runs_here_at_a_tiny_size(tmp_path):
+    from benchmarks import remat
+
+    out = tmp_path / "remat.json"
+    argv = ["--deep-factor", "2", "--batch-size", "2", "--seq-len", "16", "--d-model", "32"]
+    results = remat.main([*argv, "--policies", "full", "--rounds", "2", "--iters", "1",
+                          "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(results["rows"]))
+    rows = results["rows"]
+    assert [(r["model"].split()[0], r["layout"], r["policy"]) for r in rows] == [
+        (model, layout, policy)
+        for model in ("default", "deep")
+        for layout in ("unrolled", "scanned")
+        for policy in ("none", "full")
+    ]
+    assert all(r["temp_bytes"] > 0 and r["step_s"] > 0 for r in rows)
+    assert rows[0]["temp_vs_none"] == 1.0 and len(rows[1]["step_vs_none"]) == 3
+    table = "\n".join(gpu_check._remat(results))
+    assert "| deep (8 blocks) | scanned | full |" in table
+    # On a CPU: remat lowers the temporary bytes only under the scan (rudax/layers/_remat.py).
+    deep = {(r["layout"], r["policy"]): r["temp_bytes"] for r in rows[4:]}
+    assert deep["scanned", "full"] < deep["scanned", "none"]
+
+
+def test_the_depth_table_runs_here_at_a_tiny_size():
+    from benchmarks import remat
+
+    argv = ["--depths", "1,2", "--batch-size", "2", "--seq-len", "16", "--d-model", "32"]
+    rows = remat.main([*argv, "--rounds", "2", "--iters", "1"])["depths"]
+    assert [r["blocks"] for r in rows] == [1, 2]
+    assert all(r["unrolled_compile_s"] > 0 and r["scanned_step_s"] > 0 for r in rows)
+    assert len(rows[1]["compile_scanned_vs_unrolled"]) == 3
 
 
 def test_determinism_compares_losses_bit_for_bit():

@@ -1,0 +1,191 @@
+"""Remat and scanned layers: XLA's temporary bytes, step time and compile time of the GPT step.
+
+    python -m benchmarks.remat                       # policies: the default GPT and a 4x deeper
+    python -m benchmarks.remat --depths 4,16,64      # compile and step time by depth
+    python -m benchmarks.remat --rounds 3 --iters 1 --json remat.json
+
+The step is the trainer's gradient step (``loss_sum``'s value and gradient under ``jax.jit``)
+of its default model (``python -m examples.lm.train``'s flags: width 256, 4 blocks, 256
+tokens, 16 sequences, bf16 storage, fp32 compute; ``--d-model``, ``--seq-len`` and
+``--batch-size`` change them).
+
+* Policies (the default): for the default model and one ``--deep-factor`` times as deep,
+  each layout (``unrolled``: a Python loop of blocks; ``scanned``: ``--scan-layers``, one
+  ``lax.scan``) and each policy of ``rudax.layers.REMAT_POLICIES``, the step is compiled once
+  and ``compiled.memory_analysis()`` read (``temp``: XLA's temporary buffers, where the
+  activations kept for the backward live); then all of a model's arms are timed, alternated
+  round by round. Ratios are against the same model's unrolled ``"none"`` arm in the same
+  round, median [min, max].
+* Depths (``--depths``): for each number of blocks, unrolled against scanned (remat
+  ``none``): the seconds to trace, lower and compile (a fresh ``jax.jit`` each time, arms
+  alternated over ``--rounds``), and the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+LAYOUTS = ("unrolled", "scanned")
+
+
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from examples.lm.config import build_parser
+    from examples.lm.model import GPT, loss_sum
+    from examples.lm.step import model_config
+
+    flags = ["--seq-len", str(args.seq_len), "--d-model", str(args.d_model)]
+    base = model_config(build_parser().parse_args(flags))
+    batch = jax.random.randint(
+        jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, base.vocab_size
+    )
+
+    def compile_step(config: Any, state: Any) -> tuple[Any, float]:
+        model_def = nnx.graphdef(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
+
+        def value_and_grad(state: Any, batch: Any) -> Any:
+            return jax.value_and_grad(lambda s: loss_sum(nnx.merge(model_def, s), batch)[0])(state)
+
+        start = time.perf_counter()
+        compiled = jax.jit(value_and_grad).lower(state, batch).compile()
+        return compiled, time.perf_counter() - start
+
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; d_model {base.d_model}, "
+        f"{args.batch_size} x {args.seq_len} tokens, params {jnp.dtype(base.param_dtype).name}, "
+        f"compute {jnp.dtype(base.dtype).name}; {args.rounds} rounds x {args.iters} steps"
+    )
+    return {"base": base, "batch": batch, "compile": compile_step, "GPT": GPT, "nnx": nnx}
+
+
+def policies_table(args: argparse.Namespace, policies: Sequence[str]) -> list[dict[str, Any]]:
+    from benchmarks._timing import alternate, ratio_summary
+
+    s = _setup(args)
+    base, nnx = s["base"], s["nnx"]
+    deep = dataclasses.replace(base, n_layers=base.n_layers * args.deep_factor)
+    models = {f"default ({base.n_layers} blocks)": base, f"deep ({deep.n_layers} blocks)": deep}
+    rows = []
+    for name, config in models.items():
+        state = nnx.state(s["GPT"](config, rngs=nnx.Rngs(0)))  # the same for every arm
+        steps, info = {}, {}
+        for layout in LAYOUTS:
+            for policy in policies:
+                arm = dataclasses.replace(config, remat=policy, scan_layers=layout == "scanned")
+                compiled, seconds = s["compile"](arm, state)
+                analysis = compiled.memory_analysis()
+                info[layout, policy] = {
+                    "compile_s": seconds,
+                    "temp_bytes": int(analysis.temp_size_in_bytes),
+                    "argument_bytes": int(analysis.argument_size_in_bytes),
+                    "output_bytes": int(analysis.output_size_in_bytes),
+                }
+                steps[layout, policy] = lambda c=compiled, st=state: c(st, s["batch"])
+        times = alternate(steps, rounds=args.rounds, iters=args.iters)
+        baseline = ("unrolled", "none")
+        for key, arm_info in info.items():
+            row = {"model": name, "layout": key[0], "policy": key[1], **arm_info}
+            row["step_s"] = statistics.median(times[key])
+            row["temp_vs_none"] = arm_info["temp_bytes"] / info[baseline]["temp_bytes"]
+            row["step_vs_none"] = ratio_summary(times[key], times[baseline])
+            rows.append(row)
+    fmt = lambda r: f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+    print(
+        f"\n{'model':<20} {'layout':<9} {'policy':<24} {'temp MB':>8} {'vs none':>8} "
+        f"{'step ms':>8} {'step vs none':<22} {'compile s':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<20} {r['layout']:<9} {r['policy']:<24} {r['temp_bytes'] / 1e6:>8.1f} "
+            f"{r['temp_vs_none']:>8.3f} {r['step_s'] * 1e3:>8.1f} {fmt(r['step_vs_none']):<22} "
+            f"{r['compile_s']:>9.1f}"
+        )
+    print(
+        "\nratios: against the same model's unrolled 'none' arm (temp bytes; step time per"
+        " round, median [min, max])."
+    )
+    return rows
+
+
+def depths_table(args: argparse.Namespace, depths: Sequence[int]) -> list[dict[str, Any]]:
+    from benchmarks._timing import ratio_summary, time_once
+
+    s = _setup(args)
+    nnx = s["nnx"]
+    rows = []
+    for n in depths:
+        config = dataclasses.replace(s["base"], n_layers=n)
+        state = nnx.state(s["GPT"](config, rngs=nnx.Rngs(0)))
+        compile_s: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+        step_s: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+        for r in range(args.rounds):
+            for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
+                arm = dataclasses.replace(config, scan_layers=layout == "scanned")
+                compiled, seconds = s["compile"](arm, state)
+                compile_s[layout].append(seconds)
+                step_s[layout].append(
+                    time_once(lambda c=compiled, st=state: c(st, s["batch"]), args.iters)
+                )
+        row = {"blocks": n}
+        for layout in LAYOUTS:
+            row[f"{layout}_compile_s"] = statistics.median(compile_s[layout])
+            row[f"{layout}_step_s"] = statistics.median(step_s[layout])
+        row["compile_scanned_vs_unrolled"] = ratio_summary(
+            compile_s["scanned"], compile_s["unrolled"]
+        )
+        row["step_scanned_vs_unrolled"] = ratio_summary(step_s["scanned"], step_s["unrolled"])
+        rows.append(row)
+    fmt = lambda r: f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+    print(
+        f"\n{'blocks':>6} {'compile s unrolled':>18} {'scanned':>8} {'scanned/unrolled':<22} "
+        f"{'step ms unrolled':>16} {'scanned':>8} {'scanned/unrolled':<22}"
+    )
+    for r in rows:
+        print(
+            f"{r['blocks']:>6} {r['unrolled_compile_s']:>18.1f} {r['scanned_compile_s']:>8.1f} "
+            f"{fmt(r['compile_scanned_vs_unrolled']):<22} {r['unrolled_step_s'] * 1e3:>16.1f} "
+            f"{r['scanned_step_s'] * 1e3:>8.1f} {fmt(r['step_scanned_vs_unrolled']):<22}"
+        )
+    print("\nratios: scanned over unrolled per round (time; lower is better), median [min, max].")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--deep-factor", type=int, default=4, help="blocks of the deep model / 4")
+    p.add_argument("--depths", default=None, help="comma-separated block counts: depth table")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--policies", default=None, help="comma-separated (default: all)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.depths is not None:
+        depths = [int(n) for n in args.depths.split(",")]
+        result = {"args": vars(args), "depths": depths_table(args, depths)}
+    else:
+        import rudax.layers as rl
+
+        given = rl.REMAT_POLICIES if args.policies is None else args.policies.split(",")
+        policies = ("none", *(q for q in given if q != "none"))  # "none" is the baseline
+        result = {"args": vars(args), "rows": policies_table(args, policies)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
