@@ -74,8 +74,18 @@ DEFAULT_DATA = Path("data/instructions")
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Flags that may change between the sessions of one run; every other one is the run's.
 # Flags of one session, not of the run: a resumed run may change them. --remat changes
-# memory and time only (the gradients are the same: tests/lm/test_remat.py).
-SESSION_FLAGS = ("resume", "stop_at", "export", "name", "runs_dir", "run_dir", "remat")
+# memory and time only (the gradients are the same: tests/lm/test_remat.py), --scan-layers
+# the program but not the stored model (tests/lm/test_scan_layers.py).
+SESSION_FLAGS = (
+    "resume",
+    "stop_at",
+    "export",
+    "name",
+    "runs_dir",
+    "run_dir",
+    "remat",
+    "scan_layers",
+)
 # Where the base and the data are: a resumed run may find them elsewhere (their contents are
 # what is checked: the base's digest and the data's identity), and takes the run's if not given.
 PLACES = ("base", "data", "val_data")
@@ -121,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="activation checkpointing of each block, as examples.lm.train's (may change on "
         "--resume)",
+    )
+    model.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="the blocks as one lax.scan, as examples.lm.train's; needs --dropout 0",
     )
     model.add_argument(
         "--targets",
@@ -227,7 +242,8 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         )
     except ValueError as e:
         raise UsageError(f"--base {base_dir}: {e}") from e
-    model.config = dataclasses.replace(model.config, remat=args.remat)  # read when called
+    # Read when the model is called: how it runs, not what it stores.
+    model.config = dataclasses.replace(model.config, remat=args.remat, scan_layers=args.scan_layers)
     base_digest = digest.hexdigest()
     try:
         adapted = rl.apply_lora(
@@ -463,6 +479,11 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.scan_layers and args.dropout:
+        raise UsageError(
+            f"--scan-layers needs --dropout 0, got --dropout {args.dropout}: a scan would draw "
+            "the same dropout masks in every block"
+        )
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     if not 0 <= args.warmup < args.steps:

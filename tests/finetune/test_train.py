@@ -131,6 +131,19 @@ def test_resume_in_a_fresh_process_is_bit_for_bit(full_run, base_dir, data_files
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
 
 
+def test_scanned_layers_train_the_same_qlora_run(base_dir, data_files, tmp_path):
+    # The NF4 base and the adapters under --scan-layers (no dropout: see the bad flags).
+    runs = {}
+    for name, extra in (("plain", ()), ("scanned", ("--scan-layers", "--remat", "full"))):
+        run_dir = tmp_path / name
+        main(_flags(base_dir, data_files, run_dir, "--dropout", "0", "--stop-at", "2", *extra))
+        runs[name] = _train_rows(run_dir)
+    (step, loss, _), later = runs["scanned"][0], runs["scanned"][1]
+    assert (step, loss) == runs["plain"][0][:2]  # the first loss: the forward is bitwise
+    # Then the gradients' rounding (tests/lm/test_scan_layers.py), one update's worth.
+    assert later[1] == pytest.approx(runs["plain"][1][1], rel=1e-5)
+
+
 def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):
     base = tmp_path / "base"
     shutil.copytree(base_dir, base)
@@ -185,6 +198,7 @@ def test_resume_before_any_checkpoint_starts_over_and_a_moved_base_is_found(
         (("--lr", "-1"), "--lr must be positive, got -1.0"),
         (("--warmup", "-1"), "--warmup must be in [0, --steps), got -1"),
         (("--min-lr-ratio", "2"), "--min-lr-ratio must be in [0, 1], got 2.0"),
+        (("--scan-layers",), "--scan-layers needs --dropout 0, got --dropout 0.05"),
     ],
 )
 def test_bad_flags_are_named(tmp_path, capsys, flags, message):
