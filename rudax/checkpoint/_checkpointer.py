@@ -40,6 +40,7 @@ never be "the latest" that makes later saves no-ops. A writer holds the director
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import jax
@@ -306,7 +307,10 @@ class Checkpointer:
             if zeros:
                 fields["zeros"] = zeros  # makes the meta item format 3
                 written = {p: without(parts[p], zeros.get(p, [])) for p in present}
-        meta = MetaSave(fields, parts, exchange_key(step))  # every leaf hashed, zeros too
+        released = threading.Event()  # hashing starts once save() returns (_meta_handler.py)
+        if not self._async_save:
+            released.set()  # orbax hashes and commits inside save()
+        meta = MetaSave(fields, parts, exchange_key(step), released)  # every leaf, zeros too
         # orbax refuses an item without arrays; its structure comes back from the template.
         items = {
             p: ocp.args.StandardSave(written[p]) for p in present if jax.tree.leaves(written[p])
@@ -317,8 +321,10 @@ class Checkpointer:
         try:
             saved = self._manager.save(step, args=ocp.args.Composite(**items, meta=meta))
         except BaseException:
+            released.set()  # a commit future already started must not wait forever
             self._manager.reload()  # see _wait
             raise
+        released.set()
         if not saved:  # the checks above leave orbax no reason to skip: never a silent no-op
             raise RuntimeError(
                 f"save: orbax declined to save step {step} in {self.directory} and wrote "
