@@ -14,8 +14,9 @@ renames). So ``MetaHandler``:
   (``_integrity.host_copies``: the device-to-host copy, which on an accelerator is the very
   transfer orbax's array handler then reuses, and on CPU a view that keeps the buffer from
   being donated or freed) and returns one commit future;
-* the future, in orbax's background: hashes the copies, adds up the processes' sums, builds
-  the meta JSON (its digest included) and writes it, as ``JsonCheckpointHandler`` would.
+* the future, in orbax's background: once the caller's ``save`` has returned
+  (``MetaSave.released``), hashes the copies, adds up the processes' sums, builds the meta
+  JSON (its digest included) and writes it, as ``JsonCheckpointHandler`` would.
 
 A crash before the future ends leaves an uncommitted temporary directory, never a step; an
 error inside it fails orbax's commit and reaches the caller at the next ``save``, ``wait`` or
