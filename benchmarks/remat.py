@@ -34,6 +34,11 @@ from typing import Any
 LAYOUTS = ("unrolled", "scanned")
 
 
+def _spread(r: Sequence[float]) -> str:
+    """A ratio summary (median, min, max) as the tables print it."""
+    return f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+
+
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -98,7 +103,6 @@ def policies_table(args: argparse.Namespace, policies: Sequence[str]) -> list[di
             row["temp_vs_none"] = arm_info["temp_bytes"] / info[baseline]["temp_bytes"]
             row["step_vs_none"] = ratio_summary(times[key], times[baseline])
             rows.append(row)
-    fmt = lambda r: f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
     print(
         f"\n{'model':<20} {'layout':<9} {'policy':<24} {'temp MB':>8} {'vs none':>8} "
         f"{'step ms':>8} {'step vs none':<22} {'compile s':>9}"
@@ -106,7 +110,7 @@ def policies_table(args: argparse.Namespace, policies: Sequence[str]) -> list[di
     for r in rows:
         print(
             f"{r['model']:<20} {r['layout']:<9} {r['policy']:<24} {r['temp_bytes'] / 1e6:>8.1f} "
-            f"{r['temp_vs_none']:>8.3f} {r['step_s'] * 1e3:>8.1f} {fmt(r['step_vs_none']):<22} "
+            f"{r['temp_vs_none']:>8.3f} {r['step_s'] * 1e3:>8.1f} {_spread(r['step_vs_none']):<22} "
             f"{r['compile_s']:>9.1f}"
         )
     print(
@@ -144,7 +148,6 @@ def depths_table(args: argparse.Namespace, depths: Sequence[int]) -> list[dict[s
         )
         row["step_scanned_vs_unrolled"] = ratio_summary(step_s["scanned"], step_s["unrolled"])
         rows.append(row)
-    fmt = lambda r: f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
     print(
         f"\n{'blocks':>6} {'compile s unrolled':>18} {'scanned':>8} {'scanned/unrolled':<22} "
         f"{'step ms unrolled':>16} {'scanned':>8} {'scanned/unrolled':<22}"
@@ -152,8 +155,8 @@ def depths_table(args: argparse.Namespace, depths: Sequence[int]) -> list[dict[s
     for r in rows:
         print(
             f"{r['blocks']:>6} {r['unrolled_compile_s']:>18.1f} {r['scanned_compile_s']:>8.1f} "
-            f"{fmt(r['compile_scanned_vs_unrolled']):<22} {r['unrolled_step_s'] * 1e3:>16.1f} "
-            f"{r['scanned_step_s'] * 1e3:>8.1f} {fmt(r['step_scanned_vs_unrolled']):<22}"
+            f"{_spread(r['compile_scanned_vs_unrolled']):<22} {r['unrolled_step_s'] * 1e3:>16.1f} "
+            f"{r['scanned_step_s'] * 1e3:>8.1f} {_spread(r['step_scanned_vs_unrolled']):<22}"
         )
     print("\nratios: scanned over unrolled per round (time; lower is better), median [min, max].")
     return rows

@@ -90,7 +90,7 @@ from rudax.checkpoint._template import (
     check_recorded_dtypes,
     retyped,
 )
-from rudax.checkpoint._zeros import with_zeros, without, zero_paths
+from rudax.checkpoint._zeros import check_read, with_zeros, without, zero_paths
 
 
 def _template(tree: Any) -> Any:
@@ -102,25 +102,6 @@ def _brief(e: BaseException) -> str:
     # tensorstore puts a whole JSON spec in its messages; the chained exception keeps it all.
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
-
-
-def _leaf_paths(tree: Any) -> list[str]:
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
-
-
-def _check_read(where: str, part: str, restored: Any, target: Any) -> None:
-    """CheckpointCorruptedError naming the first leaf the restore wanted and orbax lacked.
-
-    orbax returns what it stored where the target has a leaf it stored as None (an empty
-    node): a meta item whose ``zeros`` field lost a leaf must not pass as a shorter tree.
-    """
-    got, want = _leaf_paths(restored), _leaf_paths(target)
-    if got != want:
-        missing = sorted(set(want) - set(got)) or sorted(set(got) - set(want)) or want
-        raise CheckpointCorruptedError(
-            f"{where}: record.{part}{missing[0]} is neither in the part's orbax item nor "
-            f"listed as zeros: orbax read {len(got)} arrays, the restore expects {len(want)}"
-        )
 
 
 class Checkpointer:
@@ -480,7 +461,7 @@ class Checkpointer:
                 f"checkpoint's files are damaged or incomplete: {_brief(e)}"
             ) from e
         for p in stored:
-            _check_read(where, p, restored[p], read[p])
+            check_read(where, p, restored[p], read[p])
         arrays = [p for p in present if p in stored or p in zeros]  # read, or made as zeros
         out = {p: targets[p] for p in present}  # a part without arrays: the template's tree
         for p in arrays:

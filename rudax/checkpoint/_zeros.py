@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rudax.checkpoint._integrity import host_copies
+from rudax.checkpoint._integrity import CheckpointCorruptedError, host_copies
 
 
 def _all_zero(blocks: list[tuple[np.ndarray, tuple[int, ...]]]) -> bool:
@@ -81,3 +81,22 @@ def with_zeros(restored: Any, target: Any, paths: list[str]) -> Any:
     if next(read, None) is not None:
         raise ValueError("restore: orbax returned more leaves than the template has")
     return out
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def check_read(where: str, part: str, restored: Any, target: Any) -> None:
+    """CheckpointCorruptedError naming the first leaf the restore wanted and orbax lacked.
+
+    orbax returns what it stored where the target has a leaf it stored as None (an empty
+    node): a meta item whose ``zeros`` field lost a leaf must not pass as a shorter tree.
+    """
+    got, want = _leaf_paths(restored), _leaf_paths(target)
+    if got != want:
+        missing = sorted(set(want) - set(got)) or sorted(set(got) - set(want)) or want
+        raise CheckpointCorruptedError(
+            f"{where}: record.{part}{missing[0]} is neither in the part's orbax item nor "
+            f"listed as zeros: orbax read {len(got)} arrays, the restore expects {len(want)}"
+        )
