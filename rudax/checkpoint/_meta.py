@@ -1,9 +1,11 @@
 """The meta item: a checkpoint's own description, written as JSON and read back as data only.
 
-Every step holds, beside one orbax item per record part, a JSON item ``meta``::
+Every step holds, beside the orbax item of its arrays, a JSON item ``meta``::
 
-    format          2, the version of this layout (1: before checksum_algorithm); 3 when
-                    it has a ``zeros`` field, so that a rudax that would miss it refuses
+    format          4, the version of this layout: one orbax item ``arrays`` holding every
+                    part ({part: tree}). Formats 1 to 3 have one item per part: 1 has no
+                    checksum_algorithm, 2 has it, 3 has a ``zeros`` field too. A rudax that
+                    does not know a format refuses it by this number.
     rudax_version   the rudax that wrote it
     step            the step number, equal to the directory's name
     parts           the record parts saved, in ``PARTS`` order
@@ -15,8 +17,9 @@ Every step holds, beside one orbax item per record part, a JSON item ``meta``::
     checksums       {part: {path: 8 hex digits}} of every array leaf (see ``_integrity.py``)
     checksum_algorithm  "crc32c" or "fmix32-sum", the checksums' algorithm; absent in
                     format 1, whose checksums are all "fmix32-sum"
-    zeros           (format 3 only) {part: [path, ...]} of array leaves saved as known
-                    zeros: not in the part's orbax item, made again on restore (``_zeros.py``)
+    zeros           (formats 3 and 4; in 4 only when a leaf is listed) {part: [path, ...]}
+                    of array leaves saved as known zeros: not in an orbax item, made again
+                    on restore (``_zeros.py``)
     digest          SHA-256 of the canonical JSON text of all the other fields: an integrity
                     check against accidents, not a signature (see below)
 
@@ -43,10 +46,11 @@ from rudax.checkpoint._integrity import ALGORITHMS, LEGACY, CheckpointCorruptedE
 from rudax.checkpoint._record import DTYPE_NAMES, FLOAT_DTYPE_NAMES, PARTS, PYTHON_LEAVES
 from rudax.checkpoint._version import RUDAX_VERSION
 
-FORMAT = 2
-ZEROS_FORMAT = 3  # FORMAT with a zeros field: written only by saves that elide zeros
+FORMAT = 4
+ONE_ITEM_FORMAT = 4  # from this format on, every part's arrays are in the one item "arrays"
+ZEROS_FORMAT = 3  # the first format with a zeros field (required in 3, optional from 4)
 # Formats this rudax reads: 1 is 2 without checksum_algorithm (every checksum fmix32-sum).
-READABLE_FORMATS = (1, 2, 3)
+READABLE_FORMATS = (1, 2, 3, 4)
 _FIELDS = (
     "format",
     "rudax_version",
@@ -74,6 +78,7 @@ class Meta(NamedTuple):
     raw: dict[str, Any]  # the whole item, fields of other rudax modules included
     checksum_algorithm: str = LEGACY
     zeros: dict[str, list[str]] | None = None  # {part: paths} saved as known zeros, if any
+    format: int = FORMAT  # below ONE_ITEM_FORMAT, one orbax item per part
 
 
 def _digest(fields: dict[str, Any]) -> str:
@@ -92,12 +97,11 @@ def build_meta(
     checksums: dict[str, dict[str, str]],
     **extra: Any,
 ) -> dict[str, Any]:
-    """The meta item's JSON data, digest included; ``extra`` fields are written as given.
-
-    A non-empty ``zeros`` field makes it format 3; without one it is format 2.
-    """
+    """The meta item's JSON data, digest included; ``extra`` fields are written as given."""
+    if "zeros" in extra and not extra["zeros"]:
+        raise ValueError("build_meta: zeros, when given, must list a leaf (omit it otherwise)")
     fields = {
-        "format": ZEROS_FORMAT if extra.get("zeros") else FORMAT,
+        "format": FORMAT,
         "rudax_version": RUDAX_VERSION,
         "step": step,
         "parts": parts,
@@ -242,6 +246,7 @@ def parse_meta(raw: Any, *, step: int, where: str) -> Meta:
         raw=raw,
         checksum_algorithm=algorithm,
         zeros=zeros,
+        format=raw["format"],
     )
 
 
@@ -251,8 +256,8 @@ def _check_zeros(
     layout: dict[str, list[list[Any]]],
     checks: dict[str, dict[str, str]],
 ) -> dict[str, list[str]] | None:
-    """The zeros field (format 3 only): each path an array leaf of its part, checksum zero."""
-    if raw["format"] < ZEROS_FORMAT:
+    """The zeros field (required in format 3, optional from 4): array leaves, checksum zero."""
+    if raw["format"] < ZEROS_FORMAT or (raw["format"] > ZEROS_FORMAT and "zeros" not in raw):
         return None
     zeros = raw.get("zeros")
     if type(zeros) is not dict or not zeros or not set(zeros) <= set(layout):

@@ -43,6 +43,8 @@ from rudax.checkpoint._meta_handler import FILENAME
 
 # The meta item's name in a step: its file ``<step>/meta/metadata`` marks a rudax step.
 META = "meta"
+# The orbax item holding every part's arrays, {part: tree} (meta format 4 on; see _meta.py).
+ARRAYS = "arrays"
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 _TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # orbax names a step in progress so
 _LEFTOVER = re.compile(r"(0|[1-9][0-9]*)" + re.escape(_TMP_SUFFIX) + ".*")

@@ -204,21 +204,36 @@ def check_stored_shapes(
 
 
 def restore_args(
-    target: Any, saved: dict[str, dict[str, Any]], item_dir: str | os.PathLike
-) -> ocp.args.StandardRestore:
-    """orbax's restore arguments for one record part, re-padding parameters where needed.
+    target: Any,
+    saved: dict[str, dict[str, Any]],
+    item_dir: str | os.PathLike,
+    *,
+    partial: bool = False,
+) -> ocp.args.PyTreeRestore:
+    """orbax's restore arguments for one item, re-padding parameters where needed.
 
     Args:
-      target: the part's ``restore_target`` (leaves placed, ``ShardedParameter`` nodes kept).
-      saved: the part's ``storage_layout`` from the meta item (empty if it holds none).
-      item_dir: the part's directory in the step, read only when a parameter is re-padded.
+      target: the item's ``restore_target`` (leaves placed, ``ShardedParameter`` nodes kept).
+      saved: the item's ``storage_layout`` rows from the meta item (empty if it holds none),
+        keyed by paths within ``target``.
+      item_dir: the item's directory in the step, read only when a parameter is re-padded.
+      partial: True when ``target`` holds only some of the item's subtrees (a model-only
+        restore of a training checkpoint): orbax then reads only the arrays it names.
 
     Returns:
-      ``StandardRestore(target)``, with ``strict=False`` only when a parameter is stored at
-      another flat length than the target's, and then only after ``check_stored_shapes``.
+      ``PyTreeRestore(target)``, with ``strict=False`` only on the arrays of an item where a
+      parameter is stored at another flat length than the target's, and then only after
+      ``check_stored_shapes``. (``StandardRestore`` builds the same arguments but cannot
+      restore part of an item.)
     """
     lengths = repadded(target, saved)
-    if not lengths:
-        return ocp.args.StandardRestore(target)
-    check_stored_shapes(item_dir, target, lengths)
-    return ocp.args.StandardRestore(target, strict=False)
+    args = ocp.checkpoint_utils.construct_restore_args(target)
+    if lengths:
+        check_stored_shapes(item_dir, target, lengths)
+        args = jax.tree.map(
+            lambda a: (
+                dataclasses.replace(a, strict=False) if isinstance(a, ocp.ArrayRestoreArgs) else a
+            ),
+            args,
+        )
+    return ocp.args.PyTreeRestore(target, restore_args=args, partial_restore=partial)

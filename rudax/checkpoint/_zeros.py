@@ -9,7 +9,7 @@ moments in a 1 GB state, CPU machine): restore 1.71 s written, 1.25 s listed; sa
 and 0.95 s, the same within the disk's spread (zstd level 1 writes zeros at memory speed).
 
 With ``Checkpointer(..., zeros_as_metadata=True)`` a save lists such leaves in the meta
-item's ``zeros`` field (format 3) and hands orbax ``None`` in their place; a restore makes
+item's ``zeros`` field (formats 3 and 4) and hands orbax ``None`` in their place; a restore makes
 them again, as zeros in the template's placement. Their checksums are saved and checked like
 every other leaf's. "All zero" is bitwise: ``-0.0`` is not zero here, and a leaf counts only
 if it is zero in every process.

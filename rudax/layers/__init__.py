@@ -38,6 +38,7 @@ from rudax.layers._remat import REMAT_POLICIES as REMAT_POLICIES
 from rudax.layers._remat import remat as remat
 
 __all__ = [
+    "REMAT_POLICIES",
     "Dropout",
     "Embedding",
     "Frozen",
@@ -49,7 +50,6 @@ __all__ = [
     "ModuleNames",
     "NF4Linear",
     "Quantized",
-    "REMAT_POLICIES",
     "RMSNorm",
     "TiedProjection",
     "apply_lora",

@@ -32,8 +32,9 @@ per iteration). An *unrolled* Python loop of checkpointed blocks gains nothing o
 ``prevent_cse`` adds and merged the recomputation into the forward, so its temporary bytes
 are the plain program's, or nearly (to the byte for blocks of plain ``jnp``; 7-12% fewer for
 rudax's and the GPT's blocks, against 67% fewer for the trainer's 4-block GPT under a scan
-and 87% for 16 blocks: ``tests/layers/test_remat.py`` and ``benchmarks/remat.py``). How XLA:GPU treats the unrolled case is measured by
-``benchmarks/remat.py`` on a GPU (``benchmarks/gpu_check.sh``'s remat stage).
+and 87% for 16 blocks: ``tests/layers/test_remat.py`` and ``benchmarks/remat.py``). How
+XLA:GPU treats the unrolled case is measured by ``benchmarks/remat.py`` on a GPU
+(``benchmarks/gpu_check.sh``'s remat stage).
 """
 
 from __future__ import annotations

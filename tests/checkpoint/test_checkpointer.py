@@ -202,8 +202,8 @@ def test_readable_with_plain_orbax(tmp_path):
     with rc.Checkpointer(tmp_path) as ckpt:
         ckpt.save(4, record)
     with ocp.StandardCheckpointer() as plain:
-        model = plain.restore(tmp_path / "4" / "model")
-    assert_bitwise_equal(model, record.model)
+        arrays = plain.restore(tmp_path / "4" / "arrays")  # every part's arrays, one item
+    assert_bitwise_equal(arrays["model"], record.model)
     with open(tmp_path / "4" / "meta" / "metadata") as f:  # orbax JsonSave's file name
         meta = json.load(f)
     assert meta["step"] == 4 and meta["python_state"]["['run']"] == "exp-1"

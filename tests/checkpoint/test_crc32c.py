@@ -15,7 +15,11 @@ import rudax.checkpoint as rc
 import rudax.optim as ro
 from rudax.checkpoint import _crc, _integrity, _meta
 from rudax.checkpoint._integrity import checksums
+from rudax.checkpoint._keys import key_data
+from rudax.checkpoint._record import split_state
 from tests.checkpoint._assertions import assert_bitwise_equal
+from tests.checkpoint.golden import FORMATS_2_3 as GOLDEN
+from tests.checkpoint.golden.make import record as golden_record
 
 
 def _bitwise_crc32c(data: bytes, register: int = 0) -> int:
@@ -105,36 +109,33 @@ def test_a_new_checkpoint_records_crc32c_and_detects_damage(tmp_path):
     with rc.Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, record)
     meta = json.loads(_meta_file(tmp_path, 1).read_text())
-    assert meta["format"] == 2 and meta["checksum_algorithm"] == "crc32c"
+    assert meta["format"] == 4 and meta["checksum_algorithm"] == "crc32c"
     assert meta["checksums"]["model"] == checksums(record.model, "crc32c")
     with rc.Checkpointer(tmp_path) as ckpt:
         assert_bitwise_equal(ckpt.restore(record, step=1), record)
 
 
-def _as_format_1(root, step):
-    """Rewrites a step's meta item as rudax wrote it before format 2: the fmix32-sum
-    checksums, no checksum_algorithm field, format 1, its digest recomputed."""
-    path = _meta_file(root, step)
+def test_a_format_1_checkpoint_restores_and_is_still_checked(tmp_path):
+    # Format 1 is format 2 (one orbax item per part, as the golden step written by an older
+    # rudax) without checksum_algorithm, its checksums all fmix32-sum.
+    shutil.copytree(GOLDEN, tmp_path, dirs_exist_ok=True)
+    record = golden_record()
+    path = _meta_file(tmp_path, 2)
     meta = json.loads(path.read_text())
     del meta["checksum_algorithm"], meta["digest"]
     meta["format"] = 1
-    return path, meta
-
-
-def test_a_format_1_checkpoint_restores_and_is_still_checked(tmp_path, monkeypatch):
-    record = _record()
-    monkeypatch.setattr(_integrity, "default_algorithm", lambda: _integrity.LEGACY)
-    from rudax.checkpoint import _checkpointer
-
-    monkeypatch.setattr(_checkpointer, "default_algorithm", lambda: _integrity.LEGACY)
-    with rc.Checkpointer(tmp_path) as ckpt:
-        ckpt.save(1, record)
-    path, meta = _as_format_1(tmp_path, 1)
+    arrays, _ = split_state(record.state)
+    parts = {"model": record.model, "optimizer": record.optimizer, "state": arrays}
+    parts["accumulator"] = record.accumulator
+    meta["checksums"] = {
+        p: checksums(key_data(tree), _integrity.LEGACY) for p, tree in parts.items()
+    }
     meta["digest"] = _meta._digest(meta)
     path.write_text(json.dumps(meta))
-    monkeypatch.undo()
     with rc.Checkpointer(tmp_path) as ckpt:
-        assert_bitwise_equal(ckpt.restore(record, step=1), record)
+        restored = ckpt.restore(record, step=2)
+    assert_bitwise_equal(key_data(restored.model), key_data(record.model))
+    assert_bitwise_equal(key_data(restored.state), key_data(record.state))
     # Its checksums are still verified, with the algorithm it was written with.
     damaged = dict(meta)
     damaged["checksums"] = json.loads(json.dumps(meta["checksums"]))
@@ -145,7 +146,7 @@ def test_a_format_1_checkpoint_restores_and_is_still_checked(tmp_path, monkeypat
     path.write_text(json.dumps(damaged))
     with rc.Checkpointer(tmp_path) as ckpt:
         with pytest.raises(rc.CheckpointCorruptedError, match=r"record\.model.*checksum"):
-            ckpt.restore(record, step=1)
+            ckpt.restore(record, step=2)
 
 
 def test_without_google_crc32c_a_save_records_fmix32_sum(tmp_path, monkeypatch):
@@ -155,7 +156,7 @@ def test_without_google_crc32c_a_save_records_fmix32_sum(tmp_path, monkeypatch):
         ckpt.save(1, record)
         assert_bitwise_equal(ckpt.restore(record, step=1), record)
     meta = json.loads(_meta_file(tmp_path, 1).read_text())
-    assert meta["format"] == 2 and meta["checksum_algorithm"] == "fmix32-sum"
+    assert meta["format"] == 4 and meta["checksum_algorithm"] == "fmix32-sum"
 
 
 @pytest.mark.skipif(not _crc.available(), reason="google-crc32c is not installed")
@@ -177,7 +178,7 @@ def test_an_unknown_algorithm_or_format_is_a_checkpoint_error(tmp_path):
     original = json.loads(path.read_text())
     for field, value, match in (
         ("checksum_algorithm", "md5", r"checksum_algorithm must be one of"),
-        ("format", 4, r"format must be one of \(1, 2, 3\)"),
+        ("format", 5, r"format must be one of \(1, 2, 3, 4\)"),
     ):
         meta = {k: v for k, v in original.items() if k != "digest"}
         meta[field] = value

@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from copy import deepcopy
 
@@ -131,9 +132,9 @@ def test_a_symlinked_step_is_refused(copy, saved, tmp_path):
 
 def test_a_symlink_inside_a_step_is_refused(copy, saved, tmp_path):
     _, record = saved
-    shutil.move(copy / "2" / "model", tmp_path / "model")
-    os.symlink(tmp_path / "model", copy / "2" / "model")
-    with pytest.raises(rc.CheckpointCorruptedError, match=r"2: model is a symlink"):
+    shutil.move(copy / "2" / "arrays", tmp_path / "arrays")
+    os.symlink(tmp_path / "arrays", copy / "2" / "arrays")
+    with pytest.raises(rc.CheckpointCorruptedError, match=r"2: arrays is a symlink"):
         _restore(copy, record)
 
 
@@ -184,14 +185,22 @@ def test_flipped_bytes_never_restore_silently(copy, saved):
     # into other values, no error); whichever it does, rudax must raise.
     try:
         with ocp.StandardCheckpointer() as plain:
-            model = plain.restore(copy / "2" / "model")
+            arrays = plain.restore(copy / "2" / "arrays")
     except Exception:
-        model = None
-    if model is None:
+        arrays = None
+    if arrays is None:
         message = r"ckpt/2: reading record\.model"
-    else:
-        assert not np.array_equal(np.asarray(model["w"]), np.asarray(record.model["w"]))
-        message = r"ckpt/2: record\.model\['w'\] was read back with checksum [0-9a-f]{8}, saved"
+    else:  # rudax must name a leaf whose values changed
+        want = {"model": record.model, "optimizer": record.optimizer}
+        changed = [
+            re.escape(f"record.{path[0].key}{jax.tree_util.keystr(path[1:])}")
+            for (path, b), a in zip(
+                jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(arrays), strict=True
+            )
+            if not np.array_equal(np.asarray(a), np.asarray(b))
+        ]
+        assert changed
+        message = rf"ckpt/2: ({'|'.join(changed)}) was read back with checksum [0-9a-f]{{8}}, saved"
     with pytest.raises(rc.CheckpointCorruptedError, match=message):
         _restore(copy, record)
     assert_bitwise_equal(_restore(copy, record, step=1), record)  # the other step is intact
@@ -222,7 +231,7 @@ def _set(key, value):
         ("", r"the meta item cannot be read: JSONDecodeError"),
         ("[1, 2]", r"meta field <root> must be a JSON object"),
         (lambda m: m.pop("checksums"), r"the meta item has no field 'checksums'"),
-        (_set("format", 4), r"meta field format must be one of \(1, 2, 3\)"),
+        (_set("format", 5), r"meta field format must be one of \(1, 2, 3, 4\)"),
         (_set("step", 7), r"meta field step must be 2, the directory's step, got 7"),
         (_set("parts", "model"), r"meta field parts must list distinct names"),
         (_set("parts", ["model", "weights"]), r"meta field parts must list distinct names"),

@@ -221,7 +221,7 @@ def test_meta_records_the_padded_layout_and_plain_orbax_reads_the_flat_vectors(t
         ["['w'].local", [3, 3], "float32"]
     ]
     with ocp.StandardCheckpointer() as plain:
-        stored = plain.restore(tmp_path / "3" / "model")
+        stored = plain.restore(tmp_path / "3" / "arrays")["model"]
     for name, layout in meta["sharded"]["model"].items():
         flat = np.asarray(stored[name[2:-8]]["local"])
         assert flat.shape == (layout["flat_length"],)
@@ -329,20 +329,24 @@ def test_inconsistent_sharded_parameter_is_refused(tmp_path):
 
 def test_stored_shapes_are_checked_before_padding_or_cutting(tmp_path):
     _saved(tmp_path).close()
-    item = tmp_path / "1" / "model"
+    item = tmp_path / "1" / "arrays"
     mesh4 = _mesh("auto", 4)
     like = _fsdp(jax.tree.map(np.zeros_like, _values()), mesh4)
-    good = sharded.restore_target(like)
-    lengths = {"['w'].local": (16, 12), "['b'].local": (8, 4), "['v'].local": (24, 20)}
+    good = {"model": sharded.restore_target(like)}  # the item holds {part: tree}
+    lengths = {
+        "['model']['w'].local": (16, 12),
+        "['model']['b'].local": (8, 4),
+        "['model']['v'].local": (24, 20),
+    }
     sharded.check_stored_shapes(item, good, lengths)  # as saved: passes
     with pytest.raises(
         ValueError,
         match=r"\['w'\]\.local is stored .* with shape \(16,\), "
         r"the checkpoint's layout says \(15,\)",
     ):
-        sharded.check_stored_shapes(item, good, dict(lengths, **{"['w'].local": (15, 12)}))
+        sharded.check_stored_shapes(item, good, dict(lengths, **{"['model']['w'].local": (15, 12)}))
     # A leaf not being re-padded must be stored at its target shape: v (24,) is not (20,).
-    not_v = {k: v for k, v in lengths.items() if k != "['v'].local"}
+    not_v = {k: v for k, v in lengths.items() if k != "['model']['v'].local"}
     with pytest.raises(
         ValueError,
         match=r"\['v'\]\.local is stored .* with shape \(24,\), "
@@ -364,7 +368,7 @@ def test_two_processes_save_their_own_shards_restored_on_1_and_4_devices(tmp_pat
     # Each process wrote its own shards into its own OCDBT database: rank r's slice of every
     # parameter is chunk r (orbax writes one chunk per shard), and no chunk of another
     # process's ranks is in a process's file.
-    item = tmp_path / str(worker.STEP) / "model"
+    item = tmp_path / str(worker.STEP) / "arrays"
     for proc, ranks in ((0, [0, 1]), (1, [2, 3])):
         kv = ts.KvStore.open(
             {"driver": "ocdbt", "base": f"file://{item}/ocdbt.process_{proc}"}
@@ -374,10 +378,10 @@ def test_two_processes_save_their_own_shards_restored_on_1_and_4_devices(tmp_pat
             assert {
                 k.split("/")[1]
                 for k in keys
-                if k.startswith(f"{name}.local/") and "." not in k.split("/")[1]
+                if k.startswith(f"model.{name}.local/") and "." not in k.split("/")[1]
             } == {str(r) for r in ranks}, (proc, name, keys)
         # The replicated array is written once, by the process holding its replica 0.
-        assert ("r/0" in keys) == (proc == 0), (proc, keys)
+        assert ("model.r/0" in keys) == (proc == 0), (proc, keys)
 
     # The reference: the same record computed on one device from the logical values.
     values = worker.record_values()

@@ -3,7 +3,7 @@
 What is checked: which leaves count as zero (bitwise, computed here with NumPy, so -0.0 and a
 leaf zero in one process only do not), that every leaf comes back bit for bit in the
 template's placement and dtype, what plain orbax reads (None for such a leaf, everything
-else as saved), that the option off writes format 2 as before, and that a meta item whose
+else as saved), that the option off writes no zeros field, and that a meta item whose
 zeros field disagrees with the checksums or the layout is refused.
 """
 
@@ -72,7 +72,7 @@ def test_zero_leaves_are_listed_not_written_and_restore_bitwise(tmp_path, async_
         ckpt.wait()
         restored = ckpt.restore(record)
     meta = _meta_of(tmp_path, 1)
-    assert meta["format"] == 3
+    assert meta["format"] == 4
     arrays, _ = rc._record.split_state(record.state)
     want = {
         "model": _zero_paths(record.model),
@@ -93,31 +93,32 @@ def test_plain_orbax_reads_none_for_a_listed_leaf(tmp_path):
     record = _record()
     with rc.Checkpointer(tmp_path, zeros_as_metadata=True) as ckpt:
         ckpt.save(1, record)
-    model = ocp.StandardCheckpointer().restore(tmp_path / "1" / "model")
+    arrays = ocp.StandardCheckpointer().restore(tmp_path / "1" / "arrays")
+    model, state = arrays["model"], arrays["state"]
     assert model["b"] is None
-    state = ocp.StandardCheckpointer().restore(tmp_path / "1" / "state")
     assert state["flags"] is None and state["acc"] is None
     assert np.asarray(state["key"]).tobytes() == np.asarray(record.state["key"]).tobytes()
     assert np.asarray(model["w"]).tobytes() == np.asarray(record.model["w"]).tobytes()
     assert np.asarray(model["neg"]).tobytes() == np.asarray(record.model["neg"]).tobytes()
 
 
-def test_off_by_default_writes_every_leaf_as_format_2(tmp_path):
+def test_off_by_default_writes_every_leaf(tmp_path):
     record = _record()
     with rc.Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, record)
         _assert_bitwise(ckpt.restore(record), record)
     meta = _meta_of(tmp_path, 1)
-    assert meta["format"] == 2 and "zeros" not in meta
-    model = ocp.StandardCheckpointer().restore(tmp_path / "1" / "model")
+    assert meta["format"] == 4 and "zeros" not in meta
+    model = ocp.StandardCheckpointer().restore(tmp_path / "1" / "arrays")["model"]
     assert np.asarray(model["b"]).tobytes() == bytes(6)
 
 
-def test_no_zero_leaf_stays_format_2(tmp_path):
+def test_no_zero_leaf_writes_no_zeros_field(tmp_path):
     record = rc.TrainingRecord.capture(model={"w": jnp.ones(3)}, optimizer=())
     with rc.Checkpointer(tmp_path, zeros_as_metadata=True) as ckpt:
         ckpt.save(1, record)
-    assert _meta_of(tmp_path, 1)["format"] == 2
+    meta = _meta_of(tmp_path, 1)
+    assert meta["format"] == 4 and "zeros" not in meta
 
 
 def test_a_part_of_zeros_only_and_restore_with_dtypes(tmp_path):
@@ -125,7 +126,7 @@ def test_a_part_of_zeros_only_and_restore_with_dtypes(tmp_path):
     record = rc.TrainingRecord.capture_with_dtypes(model=params, optimizer=())
     with rc.Checkpointer(tmp_path, zeros_as_metadata=True) as ckpt:
         ckpt.save(1, record)
-        assert not (tmp_path / "1" / "model").exists()  # nothing for orbax to write
+        assert not (tmp_path / "1" / "arrays").exists()  # nothing for orbax to write
         fp32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
         like = rc.TrainingRecord(model=fp32, optimizer=(), accumulator=None, state=None)
         restored = ckpt.restore_with_dtypes(like)
@@ -202,7 +203,7 @@ def test_two_processes_agree_on_which_leaves_are_zero(tmp_path):
     run_processes(worker.__file__, 2, 2, timeout=90, args=[str(tmp_path), True])
     meta = _meta_of(tmp_path, worker.STEP)
     # zero in both processes' shards: listed; zero in process 0's shards only: written.
-    assert meta["format"] == 3 and meta["zeros"] == {"state": ["['zero']"]}
+    assert meta["format"] == 4 and meta["zeros"] == {"state": ["['zero']"]}
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (worker.AX,))
     rows = NamedSharding(mesh, P(worker.AX, None))
     state = {

@@ -45,7 +45,7 @@ def _all_finite(run_dir, step):
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as plain:
-        model = plain.restore(run_dir / "checkpoints" / str(step) / "model")
+        model = plain.restore(run_dir / "checkpoints" / str(step) / "arrays")["model"]
     return all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(model))
 
 
