@@ -1,11 +1,11 @@
 """Checkpointer: numbered TrainingRecord checkpoints in one directory, on orbax.
 
-Each step is an orbax composite checkpoint, ``<directory>/<step>/``, with one orbax
-``StandardSave`` item ``arrays`` holding ``{part: tree}`` for each record part that is not None
-and holds an array (``model``, ``optimizer``, ``accumulator``, ``state``), readable with plain
-``orbax.checkpoint`` (a part without arrays is left out, its structure comes from the
-template; checkpoints of meta format 3 and older have one item per part, and still restore),
-and a JSON item ``meta``
+Each step is an orbax composite checkpoint, ``<directory>/<step>/``, with one orbax PyTree
+item ``arrays`` (``PyTreeSave``, the files of ``StandardSave``) holding ``{part: tree}`` for
+each record part that is not None and holds an array (``model``, ``optimizer``,
+``accumulator``, ``state``), readable with plain ``orbax.checkpoint`` (a part without arrays
+is left out, its structure comes from the template; checkpoints of meta format 3 and older
+have one item per part, and still restore), and a JSON item ``meta``
 (``_meta.py``): the rudax version, the step, the parts saved, each part's layout (path, shape,
 dtype of every leaf), the caller state's Python leaves, the record's config and recorded
 dtypes, a checksum of every array and a digest of the whole item (both detect accidents, not
