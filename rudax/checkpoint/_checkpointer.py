@@ -55,9 +55,10 @@ from rudax.checkpoint._integrity import (
     default_algorithm,
     verify_checksums,
 )
+from rudax.checkpoint._items import read_arrays
 from rudax.checkpoint._keys import data_template, key_data, rewrap
 from rudax.checkpoint._lock import DirectoryLock, hold
-from rudax.checkpoint._meta import ONE_ITEM_FORMAT, Meta, parse_meta
+from rudax.checkpoint._meta import Meta, parse_meta
 from rudax.checkpoint._meta_handler import MetaHandler, MetaRestore, MetaSave, exchange_key
 from rudax.checkpoint._paths import (
     ARRAYS,
@@ -83,7 +84,6 @@ from rudax.checkpoint._record import (
 )
 from rudax.checkpoint._sharded import (
     place_unplaced,
-    restore_args,
     restore_target,
     storage_layout,
 )
@@ -99,16 +99,6 @@ from rudax.checkpoint._zeros import check_read, with_zeros, without, zero_paths
 def _template(tree: Any) -> Any:
     # Each leaf read into the template's placement, never the saved one: see _sharded.py.
     return restore_target(tree)
-
-
-def _written_parts(meta: Meta) -> set[str]:
-    """The parts with an array in the step's orbax item: not python-only, not all zeros."""
-    zeros = meta.zeros or {}
-    return {
-        p
-        for p in meta.parts
-        if {row[0] for row in meta.layout[p] if row[1] != "python"} - set(zeros.get(p, []))
-    }
 
 
 def _brief(e: BaseException) -> str:
@@ -309,7 +299,7 @@ class Checkpointer:
         # the number of items (9 ms for one, 28 ms for four, on 2 cores). orbax refuses an
         # item without arrays; a part's structure comes back from the template.
         stored = {p: written[p] for p in present if jax.tree.leaves(written[p])}
-        items = {ARRAYS: ocp.args.PyTreeSave(stored)} if stored else {}  # see _read_arrays
+        items = {ARRAYS: ocp.args.PyTreeSave(stored)} if stored else {}  # see _items.py
         self._wait()  # as orbax's save would; then nothing moves
         empty_trash(self.directory)
         self._check_new_step(step, overwrite)
@@ -462,7 +452,7 @@ class Checkpointer:
         read = {p: without(placed[p], zeros.get(p, [])) for p in present}
         stored = [p for p in present if jax.tree.leaves(read[p])]
         try:
-            restored = self._read_arrays(step, where, meta, {p: read[p] for p in stored})
+            restored = read_arrays(self._manager, step, where, meta, {p: read[p] for p in stored})
         except Exception as e:  # orbax and tensorstore raise many types for damaged files
             raise CheckpointCorruptedError(
                 f"{where}: reading {', '.join(f'record.{p}' for p in stored)} failed, the "
@@ -486,29 +476,6 @@ class Checkpointer:
         if recorded is not None:
             dtypes = {k: v for k, v in recorded.items() if k.startswith(tuple(present))}
         return TrainingRecord(**{p: out.get(p) for p in PARTS}, config=like.config, dtypes=dtypes)
-
-    def _read_arrays(self, step: int, where: str, meta: Meta, read: dict[str, Any]) -> Any:
-        """{part: tree} read by orbax for each part in ``read`` (its restore target)."""
-        if not read:
-            return {}
-        sharded = meta.raw.get("sharded", {})
-        if meta.format < ONE_ITEM_FORMAT:  # one item per part
-            items = {
-                p: restore_args(read[p], sharded.get(p, {}), os.path.join(where, p)) for p in read
-            }
-            return self._manager.restore(step, args=ocp.args.Composite(**items))
-        # The layout rows are keyed by paths within a part; in the one item they start at it.
-        rows = {
-            jax.tree_util.keystr((jax.tree_util.DictKey(p),)) + path: row
-            for p in read
-            for path, row in sharded.get(p, {}).items()
-        }
-        # A restore of some parts reads only theirs. That takes orbax's PyTree arguments
-        # (StandardRestore has no partial restore), and a manager binds an item's handler to
-        # the type of its first arguments: so the item is saved with PyTreeSave too.
-        partial = set(read) != _written_parts(meta)
-        args = restore_args(read, rows, os.path.join(where, ARRAYS), partial=partial)
-        return self._manager.restore(step, args=ocp.args.Composite(**{ARRAYS: args}))[ARRAYS]
 
     def _step_to_read(self, step: int | None) -> int:
         if step is None:
