@@ -214,7 +214,8 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32), mesh)
 
     # --------------------------------------------------------------------------- step
-    steps = make_steps(graphdef, rest, tx, mesh=mesh)
+    # --profile times each step repeatedly on the same inputs, which donation would delete.
+    steps = make_steps(graphdef, rest, tx, mesh=mesh, donate=not args.profile)
     microbatch = lambda s, a: put(train_data.batch((s - 1) * args.grad_accum + a))
     if args.profile:
         table = profile(
