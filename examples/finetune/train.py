@@ -273,26 +273,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     acc = ro.GradientAccumulator.init(adapters, jnp.float32)
 
     # --------------------------------------------------------------------------- step
-    # nnx's grad: dropout advances its RNG counters inside the differentiated call.
-    grad = nnx.value_and_grad(
-        labelled_loss_sum, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True
-    )
-
-    @jax.jit
-    def micro(adapters, rngs, acc, base, batch):
-        model = nnx.merge(graphdef, adapters, rngs, base)
-        (_, metrics), grads = grad(model, batch)
-        return acc.add(grads, weight=metrics["tokens"]), nnx.state(model, nnx.RngState), metrics
-
-    @jax.jit
-    def apply(adapters, opt_state, acc):
-        grads, acc = acc.pop(normalize=True)  # the mean over the window's counted tokens
-        updates, opt_state = tx.update(grads, opt_state, adapters)
-        return optax.apply_updates(adapters, updates), opt_state, acc, optax.global_norm(grads)
-
-    @jax.jit
-    def evaluate(adapters, rngs, base, batch):
-        return labelled_loss_sum(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
+    micro, apply, evaluate = make_steps(graphdef, eval_def, tx)
 
     def val_loss() -> float | None:
         if not val_batches:
@@ -434,6 +415,41 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+def make_steps(
+    graphdef: nnx.GraphDef, eval_def: nnx.GraphDef, tx: optax.GradientTransformation
+) -> tuple[Any, Any, Any]:
+    """The run's jitted ``(micro, apply, evaluate)`` for ``nnx.split(model, rl.LoRAParam,
+    nnx.RngState, ...)``'s ``graphdef`` (``eval_def``: the same model with dropout off).
+
+    ``micro(adapters, rngs, acc, base, batch) -> (acc, rngs, metrics)`` adds one microbatch's
+    adapter gradients into the accumulator; ``apply(adapters, opt_state, acc) -> (adapters,
+    opt_state, acc, grad_norm)`` is the update; ``evaluate(adapters, rngs, base, batch)`` the
+    metrics without a gradient. Nothing is donated (the adapters are small).
+    """
+    # nnx's grad: dropout advances its RNG counters inside the differentiated call.
+    grad = nnx.value_and_grad(
+        labelled_loss_sum, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True
+    )
+
+    @jax.jit
+    def micro(adapters, rngs, acc, base, batch):
+        model = nnx.merge(graphdef, adapters, rngs, base)
+        (_, metrics), grads = grad(model, batch)
+        return acc.add(grads, weight=metrics["tokens"]), nnx.state(model, nnx.RngState), metrics
+
+    @jax.jit
+    def apply(adapters, opt_state, acc):
+        grads, acc = acc.pop(normalize=True)  # the mean over the window's counted tokens
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, acc, optax.tree.norm(grads)
+
+    @jax.jit
+    def evaluate(adapters, rngs, base, batch):
+        return labelled_loss_sum(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
+
+    return micro, apply, evaluate
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:
