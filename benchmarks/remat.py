@@ -6,8 +6,8 @@
 
 The step is the trainer's gradient step (``loss_sum``'s value and gradient under ``jax.jit``)
 of its default model (``python -m examples.lm.train``'s flags: width 256, 4 blocks, 256
-tokens, 16 sequences, bf16 storage, fp32 compute; ``--d-model``, ``--seq-len`` and
-``--batch-size`` change them).
+tokens, 16 sequences, a vocabulary of 8192, bf16 storage, fp32 compute; ``--d-model``,
+``--n-layers``, ``--vocab-size``, ``--seq-len`` and ``--batch-size`` change them).
 
 * Policies (the default): for the default model and one ``--deep-factor`` times as deep,
   each layout (``unrolled``: a Python loop of blocks; ``scanned``: ``--scan-layers``, one
@@ -49,6 +49,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     from examples.lm.step import model_config
 
     flags = ["--seq-len", str(args.seq_len), "--d-model", str(args.d_model)]
+    flags += ["--n-layers", str(args.n_layers), "--vocab-size", str(args.vocab_size)]
     base = model_config(build_parser().parse_args(flags))
     batch = jax.random.randint(
         jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, base.vocab_size
@@ -164,11 +165,13 @@ def depths_table(args: argparse.Namespace, depths: Sequence[int]) -> list[dict[s
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--deep-factor", type=int, default=4, help="blocks of the deep model / 4")
+    p.add_argument("--deep-factor", type=int, default=4, help="deep model's blocks / default's")
     p.add_argument("--depths", default=None, help="comma-separated block counts: depth table")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4, help="blocks of the default model")
+    p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--policies", default=None, help="comma-separated (default: all)")
