@@ -1,0 +1,520 @@
+"""Per-device memory of a training run, worked out before it is launched.
+
+    python -m examples.lm.plan --mesh fsdp=8 --optimizer adamw --device-memory 141 \\
+        --hf-config llama-7b/config.json --seq-len 4096 --batch-size 8 --remat full --scan-layers
+    python -m examples.lm.plan --finetune qlora --hf-config llama-70b/config.json \\
+        --seq-len 2048 --batch-size 1 --remat full --device-memory 141
+
+With ``--xla`` it also compiles the run's real steps for this machine's backend and prints
+XLA's own ``memory_analysis`` beside the plan (``examples/lm/plan_xla.py``): on a GPU machine,
+the target's figure.
+
+It takes the trainer's own flags (``examples.lm.train``'s: the model, ``--mesh``, dtypes,
+``--optimizer``, ``--remat``, ``--scan-layers``, ``--batch-size``), or with ``--finetune
+lora|qlora`` those of ``examples.finetune`` (adapters on every projection, AdamW on them), and
+prints the bytes each device holds: parameters, fp32 masters, optimizer moments,
+accumulator, and what each step adds to them. Nothing is allocated and nothing compiled:
+the model, the optimizer state and the accumulator are built abstractly (``nnx.eval_shape``,
+``jax.eval_shape``): a 7B plan takes seconds on a CPU, a 70B QLoRA one about a minute.
+``examples/lm/hf_configs/`` holds the ``config.json`` of Llama 2 7B and Llama 3.1 8B and 70B.
+
+Where the numbers come from:
+
+- The state (parameters, masters, moments, accumulator) is the shapes and dtypes of the
+  trainer's own ``tx.init`` and ``GradientAccumulator.init``, per device as
+  ``examples.lm.step.placement`` lays them out: over ``fsdp`` every leaf is
+  ``ceil(size / fsdp)`` elements (``rudax.sharding.ShardedParameter``'s padding), else whole.
+- The activations are what JAX's reverse mode keeps for the backward of one microbatch on one
+  device: the residuals of ``jax.vjp`` of the run's own loss (``saved_for_backward``; over a
+  mesh, the trainer's shard_map'd loss, FSDP gathers included), traced, not guessed, so each
+  remat policy counts what it really keeps. With ``--scan-layers`` they include the blocks'
+  parameters, stacked inside the step: for QLoRA a second copy of the NF4 base.
+- The transients are modelled on what XLA's own ``memory_analysis`` shows for the programs'
+  jitted steps (``tests/lm/test_plan.py`` compares the two on 8 simulated CPU devices;
+  measured 0.71-1.15x XLA's for a microbatch, 0.83-1.10x for the update, and held to within
+  35%). A microbatch adds every parameter's fp32 gradient (whole, before FSDP's
+  reduce-scatter, except that a scan reduce-scatters each block's in its own iteration)
+  and a working set: the larger of one chunk of the fused loss's fp32 logits and one
+  block's activations without remat (what the block's backward, or its recomputation,
+  holds while it runs). The trainer's update donates its inputs and adds the fp32 gradients
+  and updates and the new parameters; the fine-tuning program's update, which donates
+  nothing, a new copy of its state.
+
+What it does not see: XLA's fusion and scheduling on the target (a GPU can free buffers a
+CPU keeps, or keep one more), the collectives' buffers, the CUDA context and cuDNN/cuBLAS
+workspaces, and allocator fragmentation. ``fits`` therefore asks for ``--headroom`` (10%) of
+the device memory to spare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+import rudax.layers as rl
+import rudax.optim as ro
+import rudax.sharding as rs
+from examples.lm import config as cfg
+from examples.lm.hf import hf_module_name
+from examples.lm.hf_config import config_from_hf
+from examples.lm.model import GPT, GPTConfig, labelled_loss_sum, loss_sum, shard
+from examples.lm.step import make_optimizer, make_steps, model_config
+
+FINETUNE = ("none", "lora", "qlora")
+# examples.finetune's adapters: every attention and MLP projection (peft's names).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes per device of one run, by what holds them.
+
+    Attributes:
+      state: held between steps: ``params`` (storage dtype; for fine-tuning the frozen base,
+        NF4 codes and scales under QLoRA, plus the adapters), ``masters`` (fp32 copies),
+        ``optimizer`` (moments and counters), ``accumulator`` (fp32 gradient sums).
+      micro: added during one microbatch's forward and backward: ``activations`` (kept for
+        the backward; with scanned layers these include the stacked blocks), ``working set``
+        (the larger of a logits chunk and one block's activations), ``gradients`` (fp32,
+        every trainable parameter) and, where the step does not donate it, ``new
+        accumulator``.
+      apply: added during the optimizer update: ``gradients``, ``updates``, ``new params``
+        (the trainer's, which donates its inputs), or the new state (fine-tuning's).
+      device_bytes: the device memory planned for, or None.
+      headroom: the fraction of ``device_bytes`` left for what the plan does not see.
+    """
+
+    state: dict[str, int]
+    micro: dict[str, int]
+    apply: dict[str, int]
+    device_bytes: int | None = None
+    headroom: float = 0.1
+
+    @property
+    def resident(self) -> int:
+        """Bytes held between steps."""
+        return sum(self.state.values())
+
+    @property
+    def micro_peak(self) -> int:
+        """Bytes held at the peak of a microbatch's step."""
+        return self.resident + sum(self.micro.values())
+
+    @property
+    def apply_peak(self) -> int:
+        """Bytes held at the peak of the optimizer update."""
+        return self.resident + sum(self.apply.values())
+
+    @property
+    def peak(self) -> int:
+        """The larger of the two steps' peaks."""
+        return max(self.micro_peak, self.apply_peak)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak leaves ``headroom`` of ``device_bytes`` free; None if unknown."""
+        if self.device_bytes is None:
+            return None
+        return self.peak <= (1.0 - self.headroom) * self.device_bytes
+
+
+# ------------------------------------------------------------------------------- counting
+
+
+def nbytes(x: Any) -> int:
+    """Bytes of one array or ShapeDtypeStruct."""
+    return math.prod(x.shape) * x.dtype.itemsize
+
+
+def per_device(tree: Any, fsdp: int = 1) -> int:
+    """Bytes of ``tree``'s arrays on each device, laid out as ``examples.lm.step.placement``:
+    over ``fsdp > 1`` devices each non-scalar leaf is split into ``ceil(size / fsdp)``
+    elements (``ShardedParameter``'s padded flat slices); otherwise every leaf is whole."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        size = math.prod(leaf.shape)
+        if fsdp > 1 and len(leaf.shape) >= 1:
+            size = -(-size // fsdp)
+        total += size * leaf.dtype.itemsize  # a PRNG key's dtype has one too
+    return total
+
+
+def saved_for_backward(loss: Callable[..., Any], params: Any, *args: Any) -> list[Any]:
+    """What ``jax.vjp(loss, params)`` keeps for the backward, as ShapeDtypeStructs.
+
+    Traced abstractly (``jax.make_jaxpr``), so nothing is computed. The backward closure's
+    leaves are the residuals; those that are the inputs themselves (a weight used as is) or
+    constants cost nothing more and are left out, and one array kept twice counts once.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+      >>> x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+      >>> [r.shape for r in saved_for_backward(lambda w, x: jnp.sin(x @ w).sum(), w, x)]
+      [(8, 3)]
+      >>> saved_for_backward(lambda w, x: (x @ w).sum(), w, x)  # x itself: nothing more
+      []
+    """
+
+    def backward(p: Any, *a: Any) -> Any:
+        return jax.vjp(lambda q: loss(q, *a), p)[1]
+
+    jaxpr = jax.make_jaxpr(backward)(params, *args).jaxpr
+    free = {id(v) for v in (*jaxpr.invars, *jaxpr.constvars)}
+    seen: dict[int, Any] = {}
+    for v in jaxpr.outvars:
+        if hasattr(v, "val") or id(v) in free:  # a literal, an input, a constant
+            continue
+        seen.setdefault(id(v), jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
+    return list(seen.values())
+
+
+# ------------------------------------------------------------------------------- plans
+
+
+def _loss_chunk_bytes(config: GPTConfig, rows: int) -> int:
+    """The fused loss's fp32 logits for one chunk of tokens."""
+    if config.loss_chunk is None:  # the whole logits are then residuals, counted there
+        return 0
+    tokens = min(config.loss_chunk, rows * config.seq_len)
+    return tokens * config.vocab_size * 4
+
+
+def _micro(config: GPTConfig, rows: int, saved: Callable[[GPTConfig], int]) -> dict[str, int]:
+    """What a microbatch adds besides its gradients and accumulator: the activations kept
+    for the backward (``saved(config)``), and the larger of the loss's logits chunk and the
+    backward's working set. That is one block's activations as they are without remat:
+    ``saved`` of two plain blocks less one, what a block's backward (or, under remat, its
+    recomputation) holds while it runs. The two come one after the other, at the loss and
+    then in each block, so only the larger counts."""
+    plain = lambda n: saved(
+        dataclasses.replace(config, n_layers=n, remat="none", scan_layers=False)
+    )
+    block = plain(2) - plain(1)
+    return {
+        "activations": saved(config),
+        "working set": max(block, _loss_chunk_bytes(config, rows)),
+    }
+
+
+def plan_pretraining(
+    args: argparse.Namespace, config: GPTConfig, *, device_bytes: int | None = None
+) -> Plan:
+    """The plan of ``examples.lm.train`` with these flags, its model ``config``."""
+    mesh = dict(args.mesh or {})
+    devices, fsdp = math.prod(mesh.values()) if mesh else 1, mesh.get("fsdp", 1)
+    rows = _rows(args.batch_size, devices)
+    _, params, _ = nnx.split(_abstract(lambda: GPT(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    tx = make_optimizer(args)
+    opt_state = jax.eval_shape(tx.init, params)
+    acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), params)
+    masters = _masters(opt_state)
+    mesh_obj = None if not mesh else trace_mesh(mesh)
+
+    def saved(c: GPTConfig) -> int:
+        if mesh_obj is None:
+            graphdef, params, rest = nnx.split(
+                _abstract(lambda: GPT(c, rngs=nnx.Rngs(0))), nnx.Param, ...
+            )
+            batch = jax.ShapeDtypeStruct((rows, c.seq_len + 1), jnp.int32)
+            loss = lambda p, b: loss_sum(nnx.merge(graphdef, p, rest), b)[0]
+            return sum(map(nbytes, saved_for_backward(loss, params, batch)))
+        # The trainer's own sharded loss (shard_map over the mesh): under FSDP what is kept
+        # is each device's shard of the parameters, or the gathered weights, as the step
+        # really keeps them. shard_map's residuals come out stacked over the devices.
+        graphdef, params, rest = nnx.split(
+            _abstract(lambda: sharded_gpt(c, mesh_obj)), nnx.Param, ...
+        )
+        batch = jax.ShapeDtypeStruct((args.batch_size, c.seq_len + 1), jnp.int32)
+        loss = make_steps(graphdef, rest, None, mesh=mesh_obj, donate=False).forward
+        return sum(map(nbytes, saved_for_backward(loss, params, batch))) // devices
+
+    fp32_local = per_device(jax.tree.map(_as_fp32, params), fsdp)
+    state = {
+        "params": per_device(params, fsdp),
+        "masters": per_device(masters, fsdp),
+        "optimizer": per_device(opt_state, fsdp) - per_device(masters, fsdp),
+        "accumulator": per_device(acc, fsdp),
+    }
+    micro = {
+        **_micro(config, rows, saved),
+        "gradients": _gradients(params, fsdp, scanned=config.scan_layers),
+        # No new accumulator: micro donates the old one, whose buffer the new sums take.
+    }
+    apply = {"gradients": fp32_local, "updates": fp32_local, "new params": state["params"]}
+    return Plan(state, micro, apply, device_bytes=device_bytes, headroom=args.headroom)
+
+
+def plan_finetuning(
+    args: argparse.Namespace, config: GPTConfig, *, device_bytes: int | None = None
+) -> Plan:
+    """The plan of ``examples.finetune`` (one device): LoRA adapters of ``--rank`` on every
+    projection, the base NF4 under ``qlora``, AdamW (no masters: the adapters are fp32)."""
+    if args.mesh:
+        raise cfg.UsageError(
+            f"--mesh {cfg.mesh_text(args.mesh)}: examples.finetune runs on one device; plan "
+            "one device's share (its --batch-size) and run data-parallel replicas of it"
+        )
+
+    if config.scan_layers and args.dropout > 0:  # examples.finetune refuses it too
+        raise cfg.UsageError(
+            f"--scan-layers needs --dropout 0 (got {args.dropout}): a scan would give every "
+            "block the same dropout masks"
+        )
+
+    def split(c: GPTConfig) -> Any:
+        return nnx.split(
+            _abstract(lambda: finetune_model(args, c)), rl.LoRAParam, nnx.RngState, ...
+        )
+
+    full = split(config)  # built once: a 70B model takes tens of seconds to trace
+
+    def saved(c: GPTConfig) -> int:
+        graphdef, adapters, rngs, base = full if c == config else split(c)
+        shape = (args.batch_size, c.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in FINETUNE_BATCH}
+
+        # The frozen base and the RNG state are inputs of the step: what is kept of them as
+        # they are costs nothing more, what is derived from them (a dequantized weight) counts.
+        def loss(a: Any, b: Any, base: Any, rngs: Any) -> Any:
+            return labelled_loss_sum(nnx.merge(graphdef, a, rngs, base, copy=True), b)[0]
+
+        return sum(map(nbytes, saved_for_backward(loss, adapters, batch, base, rngs)))
+
+    _, adapters, rngs, base = full
+    tx = finetune_optimizer()
+    opt_state = jax.eval_shape(tx.init, adapters)
+    acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), adapters)
+    state = {
+        "params": per_device(base) + per_device(adapters) + per_device(rngs),
+        "masters": 0,
+        "optimizer": per_device(opt_state),
+        "accumulator": per_device(acc),
+    }
+    micro = {
+        **_micro(config, args.batch_size, saved),
+        "gradients": per_device(jax.tree.map(_as_fp32, adapters)),
+        "new accumulator": state["accumulator"],
+    }
+    # examples.finetune donates nothing: the update writes a new copy of its whole state.
+    apply = {
+        "new params": per_device(adapters),
+        "new optimizer": state["optimizer"],
+        "new accumulator": state["accumulator"],
+    }
+    return Plan(state, micro, apply, device_bytes=device_bytes, headroom=args.headroom)
+
+
+def _gradients(params: Any, fsdp: int, *, scanned: bool) -> int:
+    """The fp32 gradients a microbatch holds at once, per device.
+
+    Every parameter's, whole, as XLA:CPU holds them, under FSDP before their reduce-scatter;
+    except with FSDP over scanned layers, where each block's gradients are reduce-scattered
+    in the scan's own iteration: then each device's shard of all of them, one block's whole
+    and the rest of the model's (embedding, head, final norm) whole.
+    """
+    whole = per_device(jax.tree.map(_as_fp32, params))
+    if fsdp == 1 or not scanned:
+        return whole
+    blocks = jax.tree.map(_as_fp32, params["blocks"])
+    local = per_device(jax.tree.map(_as_fp32, params), fsdp)
+    return local + per_device(blocks[0]) + whole - per_device(blocks)
+
+
+def finetune_model(args: argparse.Namespace, config: GPTConfig) -> GPT:
+    """The GPT of ``config`` as ``examples.finetune`` trains it: ``--rank`` adapters on every
+    projection, each base projection NF4 under ``--finetune qlora``."""
+    model = GPT(config, rngs=nnx.Rngs(0))
+    quantize = "nf4" if args.finetune == "qlora" else None
+    rl.apply_lora(
+        model,
+        list(PROJECTIONS),
+        rank=args.rank,
+        alpha=2.0 * args.rank,
+        dropout=args.dropout,
+        names=hf_module_name,
+        quantize_base=quantize,
+        quantize_untargeted=quantize is not None,
+        rngs=nnx.Rngs(0),
+    )
+    return model
+
+
+def finetune_optimizer() -> optax.GradientTransformation:
+    """``examples.finetune``'s optimizer; its hyperparameters change no shape."""
+    return optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3, weight_decay=0.0))
+
+
+def _abstract(build: Callable[[], GPT]) -> GPT:
+    return nnx.eval_shape(build)
+
+
+def sharded_gpt(config: GPTConfig, mesh: Mesh) -> GPT:
+    """The GPT of ``config``, FSDP-sharded as ``examples.lm.train`` shards it if the mesh has
+    an ``fsdp`` axis."""
+    model = GPT(config, rngs=nnx.Rngs(0))
+    if "fsdp" not in mesh.axis_names:
+        return model
+    # As examples.lm.train shards it: gathered (and reduce-scattered) in fp32.
+    return shard(model, rs.ShardingContext(mesh, "fsdp"), compute_dtype=jnp.float32)
+
+
+def trace_mesh(spec: dict[str, int]) -> Mesh:
+    """A mesh of ``spec``'s shape: of this process's devices if it has that many (the GPUs
+    of a GPU machine), else of simulated CPU devices. Steps are traced or compiled on it,
+    never run."""
+    n = math.prod(spec.values())
+    try:  # before the backend starts; python -m examples.lm.plan gets there first
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass
+    devices = jax.devices()
+    if len(devices) < n:
+        devices = jax.devices("cpu")
+    if len(devices) < n:
+        raise cfg.UsageError(
+            f"--mesh {cfg.mesh_text(spec)}: tracing its step needs {n} CPU devices, this "
+            f"process has {len(devices)} (JAX started before the plan could set them)"
+        )
+    return Mesh(np.array(devices[:n]).reshape(tuple(spec.values())), tuple(spec))
+
+
+FINETUNE_BATCH = ("tokens", "labels", "segment_ids", "positions")
+
+
+def _as_fp32(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, jnp.float32)
+
+
+def _masters(opt_state: Any) -> Any:
+    """The fp32 master weights inside an optimizer state (``fp32_master``, ``fused_adamw``)."""
+    kinds = (ro.Fp32MasterState, ro.FusedAdamWState)
+    found = [
+        s.master
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
+        if isinstance(s, kinds)
+    ]
+    return found
+
+
+def _rows(batch_size: int, devices: int) -> int:
+    if batch_size % devices:
+        raise cfg.UsageError(
+            f"--batch-size {batch_size} must be a multiple of the mesh's {devices} devices"
+        )
+    return batch_size // devices
+
+
+# ------------------------------------------------------------------------------- program
+
+
+def model_of(args: argparse.Namespace) -> GPTConfig:
+    """The model of the flags, or of ``--hf-config`` with the flags' dtypes, sequence length,
+    remat, scanned layers and loss chunk."""
+    if args.hf_config is None:
+        config = model_config(args)
+    else:
+        hf = json.loads(Path(args.hf_config).read_text())
+        config = config_from_hf(
+            hf, param_dtype=jnp.dtype(args.param_dtype), dtype=jnp.dtype(args.compute_dtype)
+        )
+        config = dataclasses.replace(
+            config, seq_len=args.seq_len, remat=args.remat, scan_layers=args.scan_layers
+        )
+    if args.loss_chunk is not None:
+        config = dataclasses.replace(config, loss_chunk=args.loss_chunk or None)
+    if args.finetune != "none":  # load_hf's layout, in which LoRA on q, k or v alone is exact
+        config = dataclasses.replace(config, fused_qkv=False)
+    return config
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """The plan of the parsed flags (``build_parser``)."""
+    config = model_of(args)
+    device_bytes = None if args.device_memory is None else int(args.device_memory * GB)
+    if args.finetune == "none":
+        return plan_pretraining(args, config, device_bytes=device_bytes)
+    return plan_finetuning(args, config, device_bytes=device_bytes)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table of GB (1e9 bytes) per device."""
+    lines = [f"{'per device':<28}{'GB':>10}"]
+    row = lambda name, n: lines.append(f"{name:<28}{n / GB:>10.3f}")
+    for title, part in (("held", plan.state), ("+ microbatch", plan.micro)):
+        lines.append(title)
+        for name, n in part.items():
+            row("  " + name, n)
+    lines.append("+ update")
+    for name, n in plan.apply.items():
+        row("  " + name, n)
+    row("resident", plan.resident)
+    row("peak: microbatch", plan.micro_peak)
+    row("peak: update", plan.apply_peak)
+    if plan.device_bytes is not None:
+        free = (1.0 - plan.headroom) * plan.device_bytes
+        verdict = "fits" if plan.fits else "does NOT fit"
+        lines.append(
+            f"{verdict}: peak {plan.peak / GB:.1f} GB of {free / GB:.1f} GB "
+            f"({plan.device_bytes / GB:.0f} GB less {plan.headroom:.0%} headroom)"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's parser, plus the plan's own flags."""
+    p = cfg.build_parser()
+    p.prog, p.description = "python -m examples.lm.plan", "Per-device memory of a run."
+    plan = p.add_argument_group("plan")
+    plan.add_argument("--hf-config", help="a Hugging Face config.json: the model (not the flags)")
+    plan.add_argument("--finetune", choices=FINETUNE, default="none", help="examples.finetune")
+    plan.add_argument("--rank", type=cfg.positive_int, default=8, help="LoRA rank (--finetune)")
+    plan.add_argument(
+        "--dropout", type=float, default=0.05, help="LoRA dropout (--finetune; its masks)"
+    )
+    plan.add_argument(
+        "--loss-chunk", type=cfg.non_negative_int, help="tokens per loss chunk; 0: full logits"
+    )
+    plan.add_argument("--device-memory", type=float, help="GB (1e9 bytes) of each device")
+    plan.add_argument(
+        "--xla",
+        action="store_true",
+        help="also compile the steps for this backend and print XLA's memory_analysis "
+        "(a GPU's own numbers on a GPU machine; about a minute for a scanned 7B on a CPU)",
+    )
+    plan.add_argument("--headroom", type=float, default=0.1, help="fraction left unplanned")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> Plan:
+    """Prints the plan of the flags; returns it (for tests)."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        plan = make_plan(args)
+    except (cfg.UsageError, ValueError, TypeError, OSError) as e:
+        parser.error(str(e))
+    print(format_plan(plan))
+    if args.xla:
+        from examples.lm import plan_xla  # it imports this module
+
+        print(plan_xla.format_xla(plan, *plan_xla.compiled_steps(args)))
+    return plan
+
+
+if __name__ == "__main__":
+    main()
