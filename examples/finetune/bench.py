@@ -11,7 +11,8 @@ an order that rotates round by round:
 
 * ``rudax QLoRA``: ``load_hf(quantize="nf4", param_dtype=bf16, dtype=fp32)`` (every
   projection an ``NF4Linear``, the embedding, norms and head stored bf16), ``apply_lora`` on
-  all seven projections, and the train step of ``examples/finetune/train.py``: ``micro``
+  all seven projections, and the train step of ``examples/finetune/train.py`` (its
+  ``make_steps``): ``micro``
   (``labelled_loss_sum``, ``nnx.value_and_grad`` over ``LoRAParam`` only,
   ``GradientAccumulator.add`` weighted by counted tokens) then ``apply`` (``pop``, global-norm
   clipping, AdamW on the fp32 adapters), one microbatch per update;
@@ -156,8 +157,8 @@ def _rudax_arm(directory: Path, args: argparse.Namespace, quantize: str | None) 
 
     import rudax.layers as rl
     import rudax.optim as ro
+    from examples.finetune.train import make_steps
     from examples.lm.hf import hf_module_name, load_hf
-    from examples.lm.model import labelled_loss_sum
 
     with jax.numpy_dtype_promotion("strict"):  # as the program runs
         model = load_hf(directory, param_dtype=jnp.bfloat16, dtype=jnp.float32, quantize=quantize)
@@ -184,21 +185,7 @@ def _rudax_arm(directory: Path, args: argparse.Namespace, quantize: str | None) 
         tx = optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(args.lr, weight_decay=0.0))
         opt_state = tx.init(adapters)
         acc = ro.GradientAccumulator.init(adapters, jnp.float32)
-        grad = nnx.value_and_grad(
-            labelled_loss_sum, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True
-        )
-
-        @jax.jit
-        def micro(adapters, rngs, acc, base, batch):
-            model = nnx.merge(graphdef, adapters, rngs, base)
-            (_, metrics), grads = grad(model, batch)
-            return acc.add(grads, weight=metrics["tokens"]), nnx.state(model, nnx.RngState), metrics
-
-        @jax.jit
-        def apply(adapters, opt_state, acc):
-            grads, acc = acc.pop(normalize=True)
-            updates, opt_state = tx.update(grads, opt_state, adapters)
-            return optax.apply_updates(adapters, updates), opt_state, acc
+        micro, apply, _ = make_steps(graphdef, graphdef, tx)  # no evaluation here
 
         ids = _ids(args)
         B, T = args.batch, args.seq
@@ -213,7 +200,7 @@ def _rudax_arm(directory: Path, args: argparse.Namespace, quantize: str | None) 
         def update() -> float:
             adapters, rngs, opt_state, acc = held
             acc, rngs, metrics = micro(adapters, rngs, acc, base, batch)
-            adapters, opt_state, acc = apply(adapters, opt_state, acc)
+            adapters, opt_state, acc, _ = apply(adapters, opt_state, acc)
             held[:] = adapters, rngs, opt_state, acc
             m = jax.device_get(metrics)  # waits for the update, as the program does
             return float(m["ce_sum"]) / int(m["tokens"])
