@@ -212,6 +212,13 @@ def _micro(config: GPTConfig, rows: int, saved: Callable[[GPTConfig], int]) -> d
     }
 
 
+def optimizer_state(tx: optax.GradientTransformation, trainable: Any) -> tuple[Any, Any]:
+    """The abstract ``(tx.init(trainable), GradientAccumulator.init(trainable, float32))``."""
+    opt_state = jax.eval_shape(tx.init, trainable)
+    acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), trainable)
+    return opt_state, acc
+
+
 def plan_pretraining(
     args: argparse.Namespace, config: GPTConfig, *, device_bytes: int | None = None
 ) -> Plan:
@@ -219,17 +226,16 @@ def plan_pretraining(
     mesh = dict(args.mesh or {})
     devices, fsdp = math.prod(mesh.values()) if mesh else 1, mesh.get("fsdp", 1)
     rows = _rows(args.batch_size, devices)
-    _, params, _ = nnx.split(_abstract(lambda: GPT(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    _, params, _ = nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
     tx = make_optimizer(args)
-    opt_state = jax.eval_shape(tx.init, params)
-    acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), params)
+    opt_state, acc = optimizer_state(tx, params)
     masters = _masters(opt_state)
     mesh_obj = None if not mesh else trace_mesh(mesh)
 
     def saved(c: GPTConfig) -> int:
         if mesh_obj is None:
             graphdef, params, rest = nnx.split(
-                _abstract(lambda: GPT(c, rngs=nnx.Rngs(0))), nnx.Param, ...
+                nnx.eval_shape(lambda: GPT(c, rngs=nnx.Rngs(0))), nnx.Param, ...
             )
             batch = jax.ShapeDtypeStruct((rows, c.seq_len + 1), jnp.int32)
             loss = lambda p, b: loss_sum(nnx.merge(graphdef, p, rest), b)[0]
@@ -238,7 +244,7 @@ def plan_pretraining(
         # is each device's shard of the parameters, or the gathered weights, as the step
         # really keeps them. shard_map's residuals come out stacked over the devices.
         graphdef, params, rest = nnx.split(
-            _abstract(lambda: sharded_gpt(c, mesh_obj)), nnx.Param, ...
+            nnx.eval_shape(lambda: sharded_gpt(c, mesh_obj)), nnx.Param, ...
         )
         batch = jax.ShapeDtypeStruct((args.batch_size, c.seq_len + 1), jnp.int32)
         loss = make_steps(graphdef, rest, None, mesh=mesh_obj, donate=False).forward
@@ -279,7 +285,7 @@ def plan_finetuning(
 
     def split(c: GPTConfig) -> Any:
         return nnx.split(
-            _abstract(lambda: finetune_model(args, c)), rl.LoRAParam, nnx.RngState, ...
+            nnx.eval_shape(lambda: finetune_model(args, c)), rl.LoRAParam, nnx.RngState, ...
         )
 
     full = split(config)  # built once: a 70B model takes tens of seconds to trace
@@ -298,8 +304,7 @@ def plan_finetuning(
 
     _, adapters, rngs, base = full
     tx = finetune_optimizer()
-    opt_state = jax.eval_shape(tx.init, adapters)
-    acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), adapters)
+    opt_state, acc = optimizer_state(tx, adapters)
     state = {
         "params": per_device(base) + per_device(adapters) + per_device(rngs),
         "masters": 0,
@@ -358,10 +363,6 @@ def finetune_model(args: argparse.Namespace, config: GPTConfig) -> GPT:
 def finetune_optimizer() -> optax.GradientTransformation:
     """``examples.finetune``'s optimizer; its hyperparameters change no shape."""
     return optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3, weight_decay=0.0))
-
-
-def _abstract(build: Callable[[], GPT]) -> GPT:
-    return nnx.eval_shape(build)
 
 
 def sharded_gpt(config: GPTConfig, mesh: Mesh) -> GPT:

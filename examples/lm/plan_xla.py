@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import rudax.layers as rl
-import rudax.optim as ro
 from examples.finetune.train import make_steps as finetune_steps
 from examples.lm import plan as pl
 from examples.lm.step import batch_spec, make_optimizer, make_steps, placement
@@ -67,8 +66,7 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         model.train()
         graphdef, adapters, rngs, base = nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
         tx = pl.finetune_optimizer()
-        opt_state = jax.eval_shape(tx.init, adapters)
-        acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), adapters)
+        opt_state, acc = pl.optimizer_state(tx, adapters)
         micro, apply, _ = finetune_steps(graphdef, eval_def, tx)
         shape = (args.batch_size, config.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in pl.FINETUNE_BATCH}
@@ -87,8 +85,7 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         )
         graphdef, params, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
         tx = make_optimizer(args)
-        opt_state = jax.eval_shape(tx.init, params)
-        acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), params)
+        opt_state, acc = pl.optimizer_state(tx, params)
         place = (lambda t: _abstract(t, placement(t, mesh))) if mesh else _abstract
         params, opt_state, acc = place(params), place(opt_state), place(acc)
         batch_sharding = NamedSharding(mesh, batch_spec(mesh)) if mesh else None
