@@ -1,5 +1,8 @@
 """rudax.kernels: Pallas kernels for the memory-bound parts of training, with exact XLA paths.
 
+``flash_attention`` is attention in O(T) memory: Triton kernels on a GPU, the same blocked
+algorithm in ``lax`` loops elsewhere, both with an ordered (atomic-free) backward.
+
 Every Pallas op takes ``impl="auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or
 ``"xla"``, and an ``interpret`` flag that runs its Pallas kernel on any backend (for tests).
 ``linear_cross_entropy`` is XLA only: its fusion is the chunking, which saves memory, not a
@@ -19,6 +22,13 @@ from rudax.kernels._compat import EXPORT_DISABLED_CHECKS as EXPORT_DISABLED_CHEC
 from rudax.kernels._compat import gpu_export_target as gpu_export_target
 from rudax.kernels._determinism import DETERMINISTIC_XLA_FLAGS as DETERMINISTIC_XLA_FLAGS
 from rudax.kernels._determinism import enable_deterministic_gpu as enable_deterministic_gpu
+
+# [block: flash_attention]
+from rudax.kernels._flash_attention import FlashAttentionBlock as FlashAttentionBlock
+from rudax.kernels._flash_attention import flash_attention as flash_attention
+from rudax.kernels._flash_attention import (
+    flash_attention_reference as flash_attention_reference,
+)
 from rudax.kernels._global_norm import GlobalNormBlock as GlobalNormBlock
 from rudax.kernels._global_norm import global_norm_and_finite as global_norm_and_finite
 from rudax.kernels._global_norm import (
@@ -56,6 +66,7 @@ __all__: list[str] = [
     "DETERMINISTIC_XLA_FLAGS",
     "EXPORT_DISABLED_CHECKS",
     "AdamWBlock",
+    "FlashAttentionBlock",
     "GlobalNormBlock",
     "NF4MatmulBlock",
     "NF4Tensor",
@@ -64,6 +75,8 @@ __all__: list[str] = [
     "adamw_update",
     "adamw_update_reference",
     "enable_deterministic_gpu",
+    "flash_attention",
+    "flash_attention_reference",
     "global_norm_and_finite",
     "global_norm_and_finite_reference",
     "gpu_export_target",
