@@ -46,9 +46,9 @@ def _chunk(x: jax.Array | None, start: jax.Array, size: int, axis: int = 1) -> j
     return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _scores(q_BxQxGxRxK, k_BxSxGxK, scale: float, softcap: float | None):
+def _scores(q_BxGxRxQxK, k_BxGxSxK, scale: float, softcap: float | None):
     """``(scores, tanh)``: fp32 scores ``[B, G, R, Q, S]``, capped; tanh for the backward."""
-    s = jnp.einsum("bqgrk,bsgk->bgrqs", q_BxQxGxRxK, k_BxSxGxK, preferred_element_type=F32)
+    s = jnp.einsum("bgrqk,bgsk->bgrqs", q_BxGxRxQxK, k_BxGxSxK, preferred_element_type=F32)
     s = s * F32(scale)
     if softcap is None:
         return s, None
@@ -92,21 +92,23 @@ def forward(
     s, g = k.shape[1], k.shape[2]
     r = h // g
     bq, bk = min(q_chunk, t), min(kv_chunk, s)
-    q5 = _pad_to(q, 1, bq).reshape(b, -1, g, r, kd)
-    k, v = _pad_to(k, 1, bk), _pad_to(v, 1, bk)
+    # Heads-major copies ([B, G, R, T, K], [B, G, S, K]): each chunk is then a contiguous
+    # slab, and every product a plain batched matmul. O(T) copies, cheap beside O(T^2) work.
+    q5 = _pad_to(q, 1, bq).reshape(b, -1, g, r, kd).transpose(0, 2, 3, 1, 4)
+    k, v = (_pad_to(x, 1, bk).transpose(0, 2, 1, 3) for x in (k, v))
     q_seg = None if q_seg is None else _pad_to(q_seg, 1, bq)
     kv_seg = None if kv_seg is None else _pad_to(kv_seg, 1, bk)
-    n_q = q5.shape[1] // bq
+    n_q = q5.shape[3] // bq
 
     def query_chunk(i):
         q_start = i * bq
-        qc, qs = _chunk(q5, q_start, bq), _chunk(q_seg, q_start, bq)
+        qc, qs = _chunk(q5, q_start, bq, axis=3), _chunk(q_seg, q_start, bq)
 
         def key_chunk(j, carry):
             kv_start = j * bk
             kc, vc, ks = (
-                _chunk(k, kv_start, bk),
-                _chunk(v, kv_start, bk),
+                _chunk(k, kv_start, bk, axis=2),
+                _chunk(v, kv_start, bk, axis=2),
                 _chunk(kv_seg, kv_start, bk),
             )
 
@@ -123,7 +125,7 @@ def forward(
                 rescale = jnp.exp(m - m_safe)
                 row_sum = rescale * row_sum + jnp.sum(p, axis=-1)
                 pv = jnp.einsum(
-                    "bgrqs,bsgk->bgrqk", p.astype(v.dtype), vc, preferred_element_type=F32
+                    "bgrqs,bgsk->bgrqk", p.astype(v.dtype), vc, preferred_element_type=F32
                 )
                 return rescale[..., None] * o + pv, m_new, row_sum
 
@@ -180,64 +182,66 @@ def backward(
     bq, bk = min(q_chunk, t), min(kv_chunk, s)
     # D in fp32 from the stored (rounded) output, as flash attention computes it.
     delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)  # [B, T, H]
-    q5 = _pad_to(q, 1, bq).reshape(b, -1, g, r, kd)
-    do5 = _pad_to(d_out, 1, bq).reshape(b, -1, g, r, kd)
-    tp = q5.shape[1]
+    q5, do5 = (
+        _pad_to(x, 1, bq).reshape(b, -1, g, r, kd).transpose(0, 2, 3, 1, 4) for x in (q, d_out)
+    )
+    tp = q5.shape[3]
     # Statistics as [B, G, R, T]; padded query rows see no key (Mask), so their P is 0.
     lse4 = _pad_to(lse.reshape(b, g, r, t), 3, bq)
     delta4 = _pad_to(delta.reshape(b, t, g, r).transpose(0, 2, 3, 1), 3, bq)
-    k, v = _pad_to(k, 1, bk), _pad_to(v, 1, bk)
+    k, v = (_pad_to(x, 1, bk).transpose(0, 2, 1, 3) for x in (k, v))
     q_seg = None if q_seg is None else _pad_to(q_seg, 1, bq)
     kv_seg = None if kv_seg is None else _pad_to(kv_seg, 1, bk)
-    n_k = k.shape[1] // bk
+    n_k = k.shape[2] // bk
 
     def key_chunk(dq_acc, j):
         kv_start = j * bk
-        kc, vc, ks = _chunk(k, kv_start, bk), _chunk(v, kv_start, bk), _chunk(kv_seg, kv_start, bk)
+        kc, vc = _chunk(k, kv_start, bk, axis=2), _chunk(v, kv_start, bk, axis=2)
+        ks = _chunk(kv_seg, kv_start, bk)
 
         def query_chunk(i, carry):
             q_start = i * bq
-            qc, qs = _chunk(q5, q_start, bq), _chunk(q_seg, q_start, bq)
+            qc, qs = _chunk(q5, q_start, bq, axis=3), _chunk(q_seg, q_start, bq)
 
             def update(carry):
                 dk, dv, dq_acc = carry
-                doc = _chunk(do5, q_start, bq)
+                doc = _chunk(do5, q_start, bq, axis=3)
                 lse_c = _chunk(lse4, q_start, bq, axis=3)
                 delta_c = _chunk(delta4, q_start, bq, axis=3)
                 scores, tanh = _scores(qc, kc, scale, softcap)
                 vis = _visible(mask, q_start, bq, kv_start, bk, qs, ks)
                 p = jnp.where(vis, jnp.exp(scores - lse_c[..., None]), F32(0))
                 dv = dv + jnp.einsum(
-                    "bgrqs,bqgrk->bsgk", p.astype(d_out.dtype), doc, preferred_element_type=F32
+                    "bgrqs,bgrqk->bgsk", p.astype(d_out.dtype), doc, preferred_element_type=F32
                 )
-                dp = jnp.einsum("bqgrk,bsgk->bgrqs", doc, vc, preferred_element_type=F32)
+                dp = jnp.einsum("bgrqk,bgsk->bgrqs", doc, vc, preferred_element_type=F32)
                 ds = p * (dp - delta_c[..., None])
                 if tanh is not None:
                     ds = ds * (1 - tanh * tanh)
                 ds = ds * F32(scale)
                 dk = dk + jnp.einsum(
-                    "bgrqs,bqgrk->bsgk", ds.astype(q.dtype), qc, preferred_element_type=F32
+                    "bgrqs,bgrqk->bgsk", ds.astype(q.dtype), qc, preferred_element_type=F32
                 )
                 dq_c = jnp.einsum(
-                    "bgrqs,bsgk->bqgrk", ds.astype(k.dtype), kc, preferred_element_type=F32
+                    "bgrqs,bgsk->bgrqk", ds.astype(k.dtype), kc, preferred_element_type=F32
                 )
                 dq_acc = lax.dynamic_update_slice_in_dim(
-                    dq_acc, _chunk(dq_acc, q_start, bq) + dq_c, q_start, axis=1
+                    dq_acc, _chunk(dq_acc, q_start, bq, axis=3) + dq_c, q_start, axis=3
                 )
                 return dk, dv, dq_acc
 
             overlap = None if qs is None else segments_overlap(qs, ks)
             return _maybe(overlap, update, carry)
 
-        init = (jnp.zeros((b, bk, g, kd), F32), jnp.zeros((b, bk, g, kd), F32), dq_acc)
+        init = (jnp.zeros((b, g, bk, kd), F32), jnp.zeros((b, g, bk, kd), F32), dq_acc)
         first, end = mask.q_blocks(kv_start, bk, bq)
         dk, dv, dq_acc = lax.fori_loop(first, end, query_chunk, init)
         return dq_acc, (dk.astype(k.dtype), dv.astype(v.dtype))
 
-    dq_acc = jnp.zeros((b, tp, g, r, kd), F32)
+    dq_acc = jnp.zeros((b, g, r, tp, kd), F32)
     dq_acc, (dks, dvs) = lax.scan(key_chunk, dq_acc, jnp.arange(n_k, dtype=jnp.int32))
-    dq = dq_acc.reshape(b, tp, h, kd)[:, :t].astype(q.dtype)
-    # [n_k, B, bk, G, K] -> [B, S, G, K]
-    dk = dks.transpose(1, 0, 2, 3, 4).reshape(b, n_k * bk, g, kd)[:, :s]
-    dv = dvs.transpose(1, 0, 2, 3, 4).reshape(b, n_k * bk, g, kd)[:, :s]
+    dq = dq_acc.transpose(0, 3, 1, 2, 4).reshape(b, tp, h, kd)[:, :t].astype(q.dtype)
+    # [n_k, B, G, bk, K] -> [B, S, G, K]
+    dk = dks.transpose(1, 0, 3, 2, 4).reshape(b, n_k * bk, g, kd)[:, :s]
+    dv = dvs.transpose(1, 0, 3, 2, 4).reshape(b, n_k * bk, g, kd)[:, :s]
     return dq, dk, dv
