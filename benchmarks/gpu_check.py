@@ -16,7 +16,8 @@ written. At the end ``--out`` holds:
 * ``<stage>.log`` and ``<stage>.json`` of each stage.
 
 The stages: the environment; the kernel, layer and fused-optimizer tests compiled for the GPU
-(they interpret Pallas only where there is no GPU); ``benchmarks.kernels``;
+(they interpret Pallas only where there is no GPU); ``benchmarks.attention --gpu`` (flash
+attention's TFLOP/s against cuDNN); ``benchmarks.kernels``;
 ``benchmarks.gpu_trainer`` (tokens/s and MFU); ``benchmarks.gpu_determinism``;
 ``benchmarks.embedding_backward`` under XLA's deterministic flags; ``benchmarks.remat``
 (XLA's temporary bytes per remat policy). Exit code 0 when every stage is "ok".
@@ -128,9 +129,27 @@ def default_stages() -> list[Stage]:
             ),
             _junit,
         ),  # fmt: skip
+        # Flash attention: TFLOP/s of the Pallas kernels against cuDNN, causal and packed.
+        Stage(
+            "attention",
+            45,
+            (
+                py,
+                "-m",
+                "benchmarks.attention",
+                "--gpu",
+                "--rounds",
+                "3",
+                "--iters",
+                "3",
+                "--json",
+                "{out}/attention.json",
+            ),
+            _json_file("attention"),
+        ),
         Stage(
             "kernels",
-            90,
+            75,
             (
                 py,
                 "-m",
@@ -146,19 +165,19 @@ def default_stages() -> list[Stage]:
         ),  # fmt: skip
         Stage(
             "trainer",
-            80,
+            75,
             (py, "-m", "benchmarks.gpu_trainer", "--json", "{out}/trainer.json"),
             _json_file("trainer"),
         ),
         Stage(
             "determinism",
-            85,
+            75,
             (py, "-m", "benchmarks.gpu_determinism", "--json", "{out}/determinism.json"),
             _json_file("determinism"),
         ),
         Stage(
             "embedding",
-            40,
+            35,
             (
                 py,
                 "-m",
@@ -174,7 +193,7 @@ def default_stages() -> list[Stage]:
         # default GPT and one 2x as deep.
         Stage(
             "remat",
-            45,
+            35,
             (
                 py,
                 "-m",
@@ -286,6 +305,19 @@ def _tests(r: dict[str, Any]) -> list[str]:
     return lines + [f"  failed: {name}" for name in r.get("failed_tests", [])[:20]]
 
 
+def _attention(r: dict[str, Any]) -> list[str]:
+    lines = [f"flash attention ({r.get('device')}), B=2 H=32 T=4096 K=128 bf16:", "",
+             "| case | pass | arm | ms | TFLOP/s | speed vs cuDNN [min, max] |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in r.get("rows", []):
+        s = row["speed_vs_cudnn"]
+        lines.append(
+            f"| {row['case']} | {row['kind']} | {row['arm']} | {row['ms']:.3f} | "
+            f"{row['tflops']:.0f} | {s[0]:.3f}x [{s[1]:.3f}, {s[2]:.3f}] |"
+        )
+    return lines
+
+
 def _kernels(r: dict[str, Any]) -> list[str]:
     lines = [f"kernels ({r.get('device')}):", "",
              "| group | arm | ms | GB/s | / copy | speed vs baseline [min, max] |",
@@ -349,6 +381,7 @@ def _remat(r: dict[str, Any]) -> list[str]:
 _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "env": _env,
     "tests": _tests,
+    "attention": _attention,
     "kernels": _kernels,
     "trainer": _trainer,
     "determinism": _determinism,
