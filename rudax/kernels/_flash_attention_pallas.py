@@ -49,9 +49,20 @@ def _padded_head_dim(head_dim: int) -> int:
     return max(16, pl.next_power_of_2(head_dim))
 
 
+def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+    """``a @ b`` of 2-D blocks, either transposed in the contraction, accumulated in fp32.
+
+    ``lax.dot_general`` rather than ``pl.dot`` (deprecated in jax 0.10, moved to the Triton
+    module): Pallas's Triton lowering turns it into one ``tt.dot``, with IEEE fp32 for fp32
+    operands (no TF32) and the tensor cores' fp32 accumulation for bf16/fp16.
+    """
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=F32)
+
+
 def _scores(q, k, scale: float, softcap: float | None):
     """``(scores, tanh)`` of a block, fp32, capped; tanh (or None) for the backward."""
-    s = pl.dot(q, k, trans_b=True) * F32(scale)
+    s = _dot(q, k, trans_b=True) * F32(scale)
     if softcap is None:
         return s, None
     t = jnp.tanh(s / F32(softcap))
@@ -90,7 +101,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, mask, scale, softcap, bq, bk, se
             p = jnp.exp2(s - m_safe[:, None])
             rescale = jnp.exp2(m - m_safe)
             row_sum = rescale * row_sum + jnp.sum(p, axis=1)
-            o = rescale[:, None] * o + pl.dot(p.astype(vc.dtype), vc)
+            o = rescale[:, None] * o + _dot(p.astype(vc.dtype), vc)
             return o, m_new, row_sum
 
         return _maybe(None if qs is None else segments_overlap(qs, ks), update, carry)
@@ -162,7 +173,7 @@ def _probabilities_and_ds(qc, kc, vc, doc, lse, delta, vis, *, scale, softcap):
     """A block's ``P`` and ``dS`` (see ``_flash_attention_xla.backward``), fp32."""
     s, tanh = _scores(qc, kc, scale, softcap)
     p = jnp.where(vis, jnp.exp2((s - lse[:, None]) * F32(LOG2E)), F32(0))
-    dp = pl.dot(doc, vc, trans_b=True)
+    dp = _dot(doc, vc, trans_b=True)
     ds = p * (dp - delta[:, None])
     if tanh is not None:
         ds = ds * (1 - tanh * tanh)
@@ -201,8 +212,8 @@ def _dkdv_kernel(
                     scale=scale,
                     softcap=softcap,
                 )
-                dv = dv + pl.dot(p.astype(doc.dtype), doc, trans_a=True)
-                dk = dk + pl.dot(ds.astype(qc.dtype), qc, trans_a=True)
+                dv = dv + _dot(p.astype(doc.dtype), doc, trans_a=True)
+                dk = dk + _dot(ds.astype(qc.dtype), qc, trans_a=True)
                 return dk, dv
 
             return _maybe(None if qs is None else segments_overlap(qs, ks), update, carry)
@@ -237,7 +248,7 @@ def _dq_kernel(
             _, ds = _probabilities_and_ds(
                 qc, kc, vc, doc, lse, delta, vis, scale=scale, softcap=softcap
             )
-            return dq + pl.dot(ds.astype(kc.dtype), kc)
+            return dq + _dot(ds.astype(kc.dtype), kc)
 
         return _maybe(None if qs is None else segments_overlap(qs, ks), update, dq)
 
