@@ -114,12 +114,15 @@ class Mask:
         return first, jnp.maximum(first, end)
 
 
-def segments_overlap(q_segment: jax.Array, kv_segment: jax.Array) -> jax.Array:
+def segments_overlap(q_segment: jax.Array | None, kv_segment: jax.Array | None) -> jax.Array | None:
     """False only if no query id of the block can equal a key id: disjoint ``[min, max]``.
 
     A cheap, conservative test (ids need not be sorted): when it says False, the block's mask
-    is all False and the block is skipped; when True, the mask decides.
+    is all False and the block is skipped; when True, the mask decides. None without segment
+    ids: nothing to test, the block runs.
     """
+    if q_segment is None or kv_segment is None:
+        return None
     return (jnp.min(kv_segment) <= jnp.max(q_segment)) & (jnp.max(kv_segment) >= jnp.min(q_segment))
 
 

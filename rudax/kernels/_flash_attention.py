@@ -93,18 +93,33 @@ class _Static:
 
 def _forward(st: _Static, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax.Array]:
     segs = () if q_seg is None else (q_seg, kv_seg)
-    options = dict(mask=st.mask, scale=st.scale, softcap=st.softcap)
 
     def pallas(q, k, v, *segs):
         interpret = st.path == "interpret"
         return _pallas.forward(
-            q, k, v, *(segs or (None, None)), block=st.block, interpret=interpret, **options
+            q,
+            k,
+            v,
+            *(segs or (None, None)),
+            block=st.block,
+            interpret=interpret,
+            mask=st.mask,
+            scale=st.scale,
+            softcap=st.softcap,
         )
 
     def xla(q, k, v, *segs):
         b = st.block
         return _xla.forward(
-            q, k, v, *(segs or (None, None)), q_chunk=b.xla_q, kv_chunk=b.xla_kv, **options
+            q,
+            k,
+            v,
+            *(segs or (None, None)),
+            q_chunk=b.xla_q,
+            kv_chunk=b.xla_kv,
+            mask=st.mask,
+            scale=st.scale,
+            softcap=st.softcap,
         )
 
     out, lse = _platform.run(st.path, pallas, xla, q, k, v, *segs, name="flash_attention")
@@ -113,20 +128,28 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax.Array]
 
 def _backward(st: _Static, q, k, v, q_seg, kv_seg, out, lse, d_out):
     segs = () if q_seg is None else (q_seg, kv_seg)
-    options = dict(mask=st.mask, scale=st.scale, softcap=st.softcap)
 
     def split(args):  # (q, k, v, *segs, out, lse, d_out) -> the paths' arguments
         q, k, v, *rest = args
         segs, (out, lse, d_out) = rest[:-3], rest[-3:]
-        return (q, k, v, *(segs or (None, None)), out, lse, d_out)
+        q_seg, kv_seg = segs or (None, None)
+        return q, k, v, q_seg, kv_seg, out, lse, d_out
 
     def pallas(*args):
+        q, k, v, q_seg, kv_seg, out, lse, d_out = split(args)
         interpret = st.path == "interpret"
-        return _pallas.backward(*split(args), block=st.block, interpret=interpret, **options)
+        return _pallas.backward(
+            q, k, v, q_seg, kv_seg, out, lse, d_out,
+            block=st.block, interpret=interpret, mask=st.mask, scale=st.scale, softcap=st.softcap,
+        )  # fmt: skip
 
     def xla(*args):
+        q, k, v, q_seg, kv_seg, out, lse, d_out = split(args)
         b = st.block
-        return _xla.backward(*split(args), q_chunk=b.xla_q, kv_chunk=b.xla_kv, **options)
+        return _xla.backward(
+            q, k, v, q_seg, kv_seg, out, lse, d_out,
+            q_chunk=b.xla_q, kv_chunk=b.xla_kv, mask=st.mask, scale=st.scale, softcap=st.softcap,
+        )  # fmt: skip
 
     dq, dk, dv = _platform.run(
         st.path, pallas, xla, q, k, v, *segs, out, lse, d_out, name="flash_attention"
@@ -349,9 +372,8 @@ def _check_window(window: Any) -> tuple[int, int] | None:
         isinstance(window, tuple | list)
         and len(window) == 2
         and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)
-        and all(w >= 0 for w in window)
     )
-    if not ok:
+    if not ok or int(window[0]) < 0 or int(window[1]) < 0:
         raise ValueError(f"window must be None or (left, right), two ints >= 0, got {window=}")
     return int(window[0]), int(window[1])
 
@@ -361,7 +383,7 @@ def _check_positive_static(name: str, value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be None or a Python float, got {name}={value!r}")
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(float(value)) and float(value) > 0):
         raise ValueError(f"{name} must be None or a finite float > 0, got {name}={value!r}")
     return float(value)
 
@@ -417,7 +439,10 @@ def flash_attention_reference(
     window = _check_window(window)
     scale = 1.0 / math.sqrt(kd) if scale is None else scale
     q5 = q.reshape(b, t, g, h // g, kd)
-    scores = jnp.einsum("btgrk,bsgk->bgrts", q5, k, preferred_element_type=jnp.float32)
+    highest = jax.lax.Precision.HIGHEST if q.dtype.itemsize >= 4 else None
+    scores = jnp.einsum(
+        "btgrk,bsgk->bgrts", q5, k, precision=highest, preferred_element_type=jnp.float32
+    )
     scores = scores * jnp.float32(scale)
     if softcap is not None:
         scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
@@ -429,7 +454,7 @@ def flash_attention_reference(
     if window is not None:
         visible &= (key >= pos - window[0]) & (key <= pos + window[1])
     visible = jnp.broadcast_to(visible, (b, t, s))
-    if q_seg is not None:
+    if q_seg is not None and kv_seg is not None:
         visible &= q_seg[:, :, None] == kv_seg[:, None, :]
     visible = visible[:, None, None]
     scores = jnp.where(visible, scores, -jnp.inf)
@@ -438,6 +463,10 @@ def flash_attention_reference(
     row_sum = jnp.sum(p, axis=-1, keepdims=True)
     probs = p / jnp.where(row_sum == 0, 1.0, row_sum)
     out = jnp.einsum(
-        "bgrts,bsgk->btgrk", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+        "bgrts,bsgk->btgrk",
+        probs.astype(v.dtype),
+        v,
+        precision=highest,
+        preferred_element_type=jnp.float32,
     )
     return out.reshape(b, t, h, kd).astype(v.dtype)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from rudax.kernels import _compat
 from rudax.kernels._attention_mask import Mask, segments_overlap
-from rudax.kernels._flash_attention_xla import _pad_to
+from rudax.kernels._flash_attention_xla import _pad_to, _precision
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -53,11 +54,12 @@ def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
     """``a @ b`` of 2-D blocks, either transposed in the contraction, accumulated in fp32.
 
     ``lax.dot_general`` rather than ``pl.dot`` (deprecated in jax 0.10, moved to the Triton
-    module): Pallas's Triton lowering turns it into one ``tt.dot``, with IEEE fp32 for fp32
-    operands (no TF32) and the tensor cores' fp32 accumulation for bf16/fp16.
+    module): Pallas's Triton lowering turns it into one ``tt.dot``, with the tensor cores'
+    fp32 accumulation for bf16/fp16 operands. fp32 operands ask for HIGHEST precision, which
+    that lowering makes IEEE fp32: its DEFAULT would be TF32 (10 mantissa bits).
     """
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=F32)
+    return lax.dot_general(a, b, dims, precision=_precision(a), preferred_element_type=F32)
 
 
 def _scores(q, k, scale: float, softcap: float | None):
@@ -67,6 +69,11 @@ def _scores(q, k, scale: float, softcap: float | None):
         return s, None
     t = jnp.tanh(s / F32(softcap))
     return F32(softcap) * t, t
+
+
+def _ids(ref: Any, index: Any) -> jax.Array | None:
+    """A block of segment ids read from ``ref``, or None without segment ids."""
+    return None if ref is None else ref[index]
 
 
 def _maybe(pred, fn, carry):
@@ -83,11 +90,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, mask, scale, softcap, bq, bk, se
     q_start = pl.program_id(0) * bq
     q = q_ref[...]
     q_index = q_start + lax.iota(jnp.int32, bq)
-    qs = qs_ref[...] if segments else None
+    qs = _ids(qs_ref, slice(None))
 
     def key_block(j, carry):
         kv_start = j * bk
-        ks = ks_ref[pl.ds(kv_start, bk)] if segments else None
+        ks = _ids(ks_ref, pl.ds(kv_start, bk))
 
         def update(carry):
             o, m, row_sum = carry
@@ -104,7 +111,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, mask, scale, softcap, bq, bk, se
             o = rescale[:, None] * o + _dot(p.astype(vc.dtype), vc)
             return o, m_new, row_sum
 
-        return _maybe(None if qs is None else segments_overlap(qs, ks), update, carry)
+        return _maybe(segments_overlap(qs, ks), update, carry)
 
     init = (
         jnp.zeros((bq, q_ref.shape[-1]), F32),
@@ -188,13 +195,13 @@ def _dkdv_kernel(
     kv_start = pl.program_id(0) * bk
     kc, vc = k_ref[...], v_ref[...]
     kv_index = kv_start + lax.iota(jnp.int32, bk)
-    ks = ks_ref[...] if segments else None
+    ks = _ids(ks_ref, slice(None))
     first, end = mask.q_blocks(kv_start, bk, bq)
 
     def head(rr, carry):
         def query_block(i, carry):
             q_start = i * bq
-            qs = qs_ref[pl.ds(q_start, bq)] if segments else None
+            qs = _ids(qs_ref, pl.ds(q_start, bq))
 
             def update(carry):
                 dk, dv = carry
@@ -216,7 +223,7 @@ def _dkdv_kernel(
                 dk = dk + _dot(ds.astype(qc.dtype), qc, trans_a=True)
                 return dk, dv
 
-            return _maybe(None if qs is None else segments_overlap(qs, ks), update, carry)
+            return _maybe(segments_overlap(qs, ks), update, carry)
 
         return lax.fori_loop(first, end, query_block, carry)
 
@@ -235,11 +242,11 @@ def _dq_kernel(
     qc, doc = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     q_index = q_start + lax.iota(jnp.int32, bq)
-    qs = qs_ref[...] if segments else None
+    qs = _ids(qs_ref, slice(None))
 
     def key_block(j, dq):
         kv_start = j * bk
-        ks = ks_ref[pl.ds(kv_start, bk)] if segments else None
+        ks = _ids(ks_ref, pl.ds(kv_start, bk))
 
         def update(dq):
             kc = k_ref[pl.ds(kv_start, bk), :]
@@ -250,7 +257,7 @@ def _dq_kernel(
             )
             return dq + _dot(ds.astype(kc.dtype), kc)
 
-        return _maybe(None if qs is None else segments_overlap(qs, ks), update, dq)
+        return _maybe(segments_overlap(qs, ks), update, dq)
 
     first, end = mask.kv_blocks(q_start, bq, bk)
     dq = lax.fori_loop(first, end, key_block, jnp.zeros((bq, q_ref.shape[-1]), F32))

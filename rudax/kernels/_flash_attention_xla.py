@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rudax.kernels import _compat
 from rudax.kernels._attention_mask import Mask, segments_overlap
 
 F32 = jnp.float32
@@ -42,13 +43,33 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _chunk(x: jax.Array | None, start: jax.Array, size: int, axis: int = 1) -> jax.Array | None:
-    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+def _precision(x: jax.Array) -> lax.Precision:
+    """HIGHEST for fp32 (and wider) operands: a GPU's DEFAULT would multiply fp32 in TF32.
+
+    Scores and their gradients are promised in fp32; bf16 and fp16 operands multiply in their
+    own precision with fp32 accumulation either way.
+    """
+    return lax.Precision.HIGHEST if x.dtype.itemsize >= 4 else lax.Precision.DEFAULT
+
+
+def _chunk(x: jax.Array, start: jax.Array, size: int, axis: int = 1) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _ids(x: jax.Array | None, start: jax.Array, size: int) -> jax.Array | None:
+    """A chunk of segment ids ``[B, size]``, or None without segment ids."""
+    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
 def _scores(q_BxGxRxQxK, k_BxGxSxK, scale: float, softcap: float | None):
     """``(scores, tanh)``: fp32 scores ``[B, G, R, Q, S]``, capped; tanh for the backward."""
-    s = jnp.einsum("bgrqk,bgsk->bgrqs", q_BxGxRxQxK, k_BxGxSxK, preferred_element_type=F32)
+    s = jnp.einsum(
+        "bgrqk,bgsk->bgrqs",
+        q_BxGxRxQxK,
+        k_BxGxSxK,
+        precision=_precision(k_BxGxSxK),
+        preferred_element_type=F32,
+    )
     s = s * F32(scale)
     if softcap is None:
         return s, None
@@ -102,14 +123,14 @@ def forward(
 
     def query_chunk(i):
         q_start = i * bq
-        qc, qs = _chunk(q5, q_start, bq, axis=3), _chunk(q_seg, q_start, bq)
+        qc, qs = _chunk(q5, q_start, bq, axis=3), _ids(q_seg, q_start, bq)
 
         def key_chunk(j, carry):
             kv_start = j * bk
             kc, vc, ks = (
                 _chunk(k, kv_start, bk, axis=2),
                 _chunk(v, kv_start, bk, axis=2),
-                _chunk(kv_seg, kv_start, bk),
+                _ids(kv_seg, kv_start, bk),
             )
 
             def update(carry):
@@ -125,11 +146,15 @@ def forward(
                 rescale = jnp.exp(m - m_safe)
                 row_sum = rescale * row_sum + jnp.sum(p, axis=-1)
                 pv = jnp.einsum(
-                    "bgrqs,bgsk->bgrqk", p.astype(v.dtype), vc, preferred_element_type=F32
+                    "bgrqs,bgsk->bgrqk",
+                    p.astype(v.dtype),
+                    vc,
+                    precision=_precision(vc),
+                    preferred_element_type=F32,
                 )
                 return rescale[..., None] * o + pv, m_new, row_sum
 
-            overlap = None if qs is None else segments_overlap(qs, ks)
+            overlap = segments_overlap(qs, ks)
             return _maybe(overlap, update, carry)
 
         init = (
@@ -137,6 +162,8 @@ def forward(
             jnp.full((b, g, r, bq), -jnp.inf, F32),
             jnp.zeros((b, g, r, bq), F32),
         )
+        # Inside shard_map the carry must vary over the mesh axes its updates do.
+        init = tuple(_compat.vary_like(x, q, k, v) for x in init)
         first, end = mask.kv_blocks(q_start, bq, bk)
         o, m, row_sum = lax.fori_loop(first, end, key_chunk, init)
         empty = row_sum == 0
@@ -197,11 +224,11 @@ def backward(
     def key_chunk(dq_acc, j):
         kv_start = j * bk
         kc, vc = _chunk(k, kv_start, bk, axis=2), _chunk(v, kv_start, bk, axis=2)
-        ks = _chunk(kv_seg, kv_start, bk)
+        ks = _ids(kv_seg, kv_start, bk)
 
         def query_chunk(i, carry):
             q_start = i * bq
-            qc, qs = _chunk(q5, q_start, bq, axis=3), _chunk(q_seg, q_start, bq)
+            qc, qs = _chunk(q5, q_start, bq, axis=3), _ids(q_seg, q_start, bq)
 
             def update(carry):
                 dk, dv, dq_acc = carry
@@ -212,33 +239,52 @@ def backward(
                 vis = _visible(mask, q_start, bq, kv_start, bk, qs, ks)
                 p = jnp.where(vis, jnp.exp(scores - lse_c[..., None]), F32(0))
                 dv = dv + jnp.einsum(
-                    "bgrqs,bgrqk->bgsk", p.astype(d_out.dtype), doc, preferred_element_type=F32
+                    "bgrqs,bgrqk->bgsk",
+                    p.astype(d_out.dtype),
+                    doc,
+                    precision=_precision(doc),
+                    preferred_element_type=F32,
                 )
-                dp = jnp.einsum("bgrqk,bgsk->bgrqs", doc, vc, preferred_element_type=F32)
+                dp = jnp.einsum(
+                    "bgrqk,bgsk->bgrqs",
+                    doc,
+                    vc,
+                    precision=_precision(vc),
+                    preferred_element_type=F32,
+                )
                 ds = p * (dp - delta_c[..., None])
                 if tanh is not None:
                     ds = ds * (1 - tanh * tanh)
                 ds = ds * F32(scale)
                 dk = dk + jnp.einsum(
-                    "bgrqs,bgrqk->bgsk", ds.astype(q.dtype), qc, preferred_element_type=F32
+                    "bgrqs,bgrqk->bgsk",
+                    ds.astype(q.dtype),
+                    qc,
+                    precision=_precision(qc),
+                    preferred_element_type=F32,
                 )
                 dq_c = jnp.einsum(
-                    "bgrqs,bgsk->bgrqk", ds.astype(k.dtype), kc, preferred_element_type=F32
+                    "bgrqs,bgsk->bgrqk",
+                    ds.astype(k.dtype),
+                    kc,
+                    precision=_precision(kc),
+                    preferred_element_type=F32,
                 )
                 dq_acc = lax.dynamic_update_slice_in_dim(
                     dq_acc, _chunk(dq_acc, q_start, bq, axis=3) + dq_c, q_start, axis=3
                 )
                 return dk, dv, dq_acc
 
-            overlap = None if qs is None else segments_overlap(qs, ks)
+            overlap = segments_overlap(qs, ks)
             return _maybe(overlap, update, carry)
 
-        init = (jnp.zeros((b, g, bk, kd), F32), jnp.zeros((b, g, bk, kd), F32), dq_acc)
+        zeros = _compat.vary_like(jnp.zeros((b, g, bk, kd), F32), q, k, v, d_out)
+        init = (zeros, zeros, dq_acc)
         first, end = mask.q_blocks(kv_start, bk, bq)
         dk, dv, dq_acc = lax.fori_loop(first, end, query_chunk, init)
         return dq_acc, (dk.astype(k.dtype), dv.astype(v.dtype))
 
-    dq_acc = jnp.zeros((b, g, r, tp, kd), F32)
+    dq_acc = _compat.vary_like(jnp.zeros((b, g, r, tp, kd), F32), q, k, v, d_out)
     dq_acc, (dks, dvs) = lax.scan(key_chunk, dq_acc, jnp.arange(n_k, dtype=jnp.int32))
     dq = dq_acc.transpose(0, 3, 1, 2, 4).reshape(b, tp, h, kd)[:, :t].astype(q.dtype)
     # [n_k, B, G, bk, K] -> [B, S, G, K]
