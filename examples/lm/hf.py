@@ -52,7 +52,6 @@ import rudax.checkpoint as rc
 import rudax.kernels as rk
 import rudax.layers as rl
 import rudax.sharding as rs
-from examples.lm.attention import CausalSelfAttention, rope_frequencies
 from examples.lm.config import UsageError
 from examples.lm.hf_config import CONFIG, config_from_hf, config_to_hf
 from examples.lm.model import GPT, Block, GPTConfig, shard
@@ -357,7 +356,7 @@ def _check_extra(name: str, files: dict[str, Any], config: GPTConfig, directory:
     match = _INV_FREQ.fullmatch(name)
     if match and int(match.group(1)) < config.n_layers:
         # A buffer older transformers saved: RoPE's frequencies, which this model computes.
-        ours = rope_frequencies(
+        ours = rl.rope_frequencies(
             config.head_dim, theta=config.rope_theta, scaling=config.rope_scaling
         )
         theirs = files[name].get_tensor(name).astype(np.float64)
@@ -386,7 +385,7 @@ def _read_json(path: Path) -> Any:
 _PLAIN = (
     GPT,
     Block,
-    CausalSelfAttention,
+    rl.Attention,
     nnx.List,
     rl.Linear,
     rl.RMSNorm,

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from examples.lm.attention import Llama3RopeScaling
+import rudax.layers as rl
 from examples.lm.model import GPTConfig
 
 CONFIG = "config.json"
@@ -189,7 +189,7 @@ def _dtype(hf: dict[str, Any]) -> Any:
     return _DTYPES[name]
 
 
-def _rope(hf: dict[str, Any], seq_len: int) -> tuple[float, Llama3RopeScaling | None]:
+def _rope(hf: dict[str, Any], seq_len: int) -> tuple[float, rl.Llama3RopeScaling | None]:
     """(rope_theta, scaling) from v4's rope_theta + rope_scaling and/or v5's rope_parameters."""
     rope: dict[str, Any] = {}
     for key in ("rope_scaling", "rope_parameters"):
@@ -243,7 +243,7 @@ def _rope(hf: dict[str, Any], seq_len: int) -> tuple[float, Llama3RopeScaling | 
     # transformers' default when absent: the model's own context length.
     old = rope.get("original_max_position_embeddings", seq_len)
     try:
-        scaling = Llama3RopeScaling(
+        scaling = rl.Llama3RopeScaling(
             rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], old
         )
     except (TypeError, ValueError) as e:

@@ -10,8 +10,8 @@ model a Llama (or Qwen2) checkpoint's (``examples/lm/hf.py``): grouped-query att
 projections (``fused_qkv=False``), q/k/v biases (``qkv_bias``) and Llama 3's RoPE
 (``rope_scaling``).
 
-Read top to bottom: ``GPTConfig``, ``Block``, ``GPT`` (attention is in
-``examples/lm/attention.py``, the experts in ``examples/lm/moe.py``), then what a trainer
+Read top to bottom: ``GPTConfig``, ``Block``, ``GPT`` (attention is
+``rudax.layers.Attention``, the experts are in ``examples/lm/moe.py``), then what a trainer
 needs: ``loss_sum`` (the contract with token-weighted gradient accumulation),
 ``labelled_loss_sum`` (the same for fine-tuning's labelled, packed batches),
 ``flops_per_token`` (for MFU) and ``shard`` (the same model for FSDP over ``rudax.sharding``).
@@ -32,7 +32,6 @@ from flax import nnx
 import rudax.kernels as rk
 import rudax.layers as rl
 import rudax.sharding as rs
-from examples.lm.attention import CausalSelfAttention, Llama3RopeScaling
 from examples.lm.moe import IMPLS, MoE
 from rudax._validation import (
     STORAGE_DTYPES,
@@ -142,7 +141,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     fused_qkv: bool = True
     qkv_bias: bool = False
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: rl.Llama3RopeScaling | None = None
     embedding_backward: str = "scatter"
     remat: str = "none"
     scan_layers: bool = False
@@ -178,7 +177,9 @@ class GPTConfig:
             )
         if self.remat not in rl.REMAT_POLICIES:
             raise ValueError(f"remat must be one of {rl.REMAT_POLICIES}, got remat={self.remat!r}")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+        if self.rope_scaling is not None and not isinstance(
+            self.rope_scaling, rl.Llama3RopeScaling
+        ):
             raise TypeError(
                 f"rope_scaling must be None or a Llama3RopeScaling, got "
                 f"rope_scaling={self.rope_scaling!r}"
@@ -231,7 +232,7 @@ class Block(nnx.Module):
     Returns:
       A module; calling it on ``x[B, T, d_model]`` returns ``(x, aux)``: the new residual
       stream and the MoE load-balancing loss (a fp32 zero for a dense block).
-      ``segment_ids`` and ``positions`` go to the attention (``CausalSelfAttention``).
+      ``segment_ids`` and ``positions`` go to the attention (``rudax.layers.Attention``).
     """
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
@@ -241,7 +242,7 @@ class Block(nnx.Module):
         )
         out_init = nnx.initializers.normal(INIT_STD / math.sqrt(2 * c.n_layers))
         self.attn_norm = norm()
-        self.attn = CausalSelfAttention(
+        self.attn = rl.Attention(
             c.d_model,
             c.n_heads,
             num_kv_heads=c.n_kv_heads,

@@ -32,9 +32,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import rudax.layers as rl
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.lm.attention import Llama3RopeScaling
 from examples.lm.model import GPTConfig, loss_sum
 
 # ------------------------------------------------------------------------------- model
@@ -52,7 +52,7 @@ def model_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPT
     # do not cover (grouped-query heads, an untied head, RoPE settings, separate q/k/v).
     architecture = dict(getattr(args, "architecture", None) or {})
     if architecture.get("rope_scaling") is not None:
-        architecture["rope_scaling"] = Llama3RopeScaling(**architecture["rope_scaling"])
+        architecture["rope_scaling"] = rl.Llama3RopeScaling(**architecture["rope_scaling"])
     return GPTConfig(
         **architecture,
         vocab_size=args.vocab_size if vocab_size is None else vocab_size,

@@ -8,7 +8,9 @@ puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
 ``save_adapter`` / ``load_adapter`` read and write peft's adapter files. ``NF4Linear`` is a
 frozen base stored in 4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
 ``apply_lora(..., quantize_base="nf4")`` builds while it adapts. ``remat`` checkpoints a
-block's activations under a named policy (``REMAT_POLICIES``).
+block's activations under a named policy (``REMAT_POLICIES``). ``Attention`` is self-attention
+with rotary positions (``apply_rope``, ``rope_frequencies``, ``Llama3RopeScaling``) over
+rudax.kernels' ``flash_attention``: grouped-query heads, packed rows, windows and soft caps.
 """
 
 # Public names, re-exported one per line (``from rudax.layers._x import a as a``), sorted as
@@ -17,6 +19,7 @@ from rudax.layers._apply_lora import ModuleNames as ModuleNames
 from rudax.layers._apply_lora import apply_lora as apply_lora
 from rudax.layers._apply_lora import lora_state as lora_state
 from rudax.layers._apply_lora import merge_lora as merge_lora
+from rudax.layers._attention import Attention as Attention
 from rudax.layers._dropout import Dropout as Dropout
 from rudax.layers._dtype import to_dtype as to_dtype
 from rudax.layers._embedding import Embedding as Embedding
@@ -36,15 +39,20 @@ from rudax.layers._peft import load_adapter as load_adapter
 from rudax.layers._peft import save_adapter as save_adapter
 from rudax.layers._remat import REMAT_POLICIES as REMAT_POLICIES
 from rudax.layers._remat import remat as remat
+from rudax.layers._rope import Llama3RopeScaling as Llama3RopeScaling
+from rudax.layers._rope import apply_rope as apply_rope
+from rudax.layers._rope import rope_frequencies as rope_frequencies
 
 __all__ = [
     "REMAT_POLICIES",
+    "Attention",
     "Dropout",
     "Embedding",
     "Frozen",
     "GatedMLP",
     "LayerNorm",
     "Linear",
+    "Llama3RopeScaling",
     "LoRALinear",
     "LoRAParam",
     "ModuleNames",
@@ -53,11 +61,13 @@ __all__ = [
     "RMSNorm",
     "TiedProjection",
     "apply_lora",
+    "apply_rope",
     "load_adapter",
     "lookup",
     "lora_state",
     "merge_lora",
     "remat",
+    "rope_frequencies",
     "save_adapter",
     "sorted_segment_sum",
     "to_dtype",

@@ -28,7 +28,6 @@ import rudax.layers as rl
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import train
-from examples.lm.attention import Llama3RopeScaling
 from examples.lm.config import build_parser
 from examples.lm.hf import config_from_hf, hf_module_name, load_hf, save_hf
 from examples.lm.model import GPT, GPTConfig, loss_sum, shard
@@ -216,7 +215,7 @@ _F32 = dict(vocab_size=V, seq_len=T, d_model=32, n_layers=2, n_heads=4, mlp_hidd
     "overrides",
     [
         # The trainer's layout (fused qkv, tied head), with GQA and Llama 3's RoPE.
-        dict(n_kv_heads=2, rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8), seq_len=32),
+        dict(n_kv_heads=2, rope_scaling=rl.Llama3RopeScaling(8.0, 1.0, 4.0, 8), seq_len=32),
         dict(n_kv_heads=2, fused_qkv=False, tie_embeddings=False, qkv_bias=True),  # Qwen2
     ],
     ids=["fused-tied-llama3", "separate-untied-biases"],
@@ -399,7 +398,7 @@ def test_absent_fields_take_transformers_defaults():
     # Llama 3's original context defaults to max_position_embeddings, v4's "type" key works.
     scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     config = config_from_hf({**_LLAMA, "max_position_embeddings": 512, "rope_scaling": scaling})
-    assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 512)
+    assert config.rope_scaling == rl.Llama3RopeScaling(8.0, 1.0, 4.0, 512)
     assert config_from_hf(_LLAMA, param_dtype="bfloat16").dtype == jnp.bfloat16
 
 

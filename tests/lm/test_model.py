@@ -1,8 +1,9 @@
-"""examples/lm's GPT (model.py, attention.py, moe.py) against references written here.
+"""examples/lm's GPT (model.py, moe.py) against references written here.
 
-Every comparison runs a tiny fp32 model; the references are NumPy (RoPE, attention, cross
-entropy, the MoE forward), a per-token jnp loop (the MoE gradient) and one device (FSDP).
-The Llama layouts (GQA, separate q/k/v, untied head, biases, Llama 3 RoPE) are checked
+Every comparison runs a tiny fp32 model; the references are NumPy (cross entropy, the MoE
+forward), a per-token jnp loop (the MoE gradient) and one device (FSDP). The attention layer
+and RoPE (rudax.layers) are checked against NumPy in tests/layers/test_attention.py and
+test_rope.py; the Llama layouts (GQA, separate q/k/v, untied head, biases, Llama 3 RoPE)
 against transformers itself in tests/lm/test_hf.py.
 """
 
@@ -18,13 +19,6 @@ from jax.sharding import PartitionSpec as P
 import rudax.layers as rl
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.lm.attention import (
-    CausalSelfAttention,
-    Llama3RopeScaling,
-    apply_rope,
-    causal_attention,
-    rope_frequencies,
-)
 from examples.lm.model import GPT, GPTConfig, flops_per_token, loss_sum, shard
 from examples.lm.moe import MoE, load_balancing_loss
 from examples.lm.step import decay_mask
@@ -73,157 +67,9 @@ def test_shapes_dtypes_tied_table_and_causality():
     assert not np.array_equal(np.asarray(after)[:, t:], np.asarray(logits)[:, t:])
 
 
-def _np_rope(x, theta, freqs=None):
-    """Rotates each channel pair (i, i + K/2) at position t by t * theta**(-2i/K) (or freqs[i])."""
-    x = np.asarray(x, np.float64)
-    out = np.empty_like(x)
-    half = x.shape[-1] // 2
-    for t in range(x.shape[1]):
-        for i in range(half):
-            a = t * (theta ** (-2.0 * i / x.shape[-1]) if freqs is None else freqs[i])
-            rot = np.array([[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]])
-            pair = np.stack([x[:, t, :, i], x[:, t, :, i + half]], axis=-1)  # [B, H, 2]
-            out[:, t, :, i], out[:, t, :, i + half] = np.moveaxis(pair @ rot.T, -1, 0)
-    return out
-
-
-def test_rope_is_a_rotation_by_position_and_scores_depend_on_offsets_only():
-    rope = jax.jit(apply_rope, static_argnames="theta")
-    x = _normal(3, 6, 3, 8)
-    got = np.asarray(rope(x, theta=100.0))
-    np.testing.assert_allclose(got, _np_rope(x, 100.0), rtol=1e-5, atol=1e-6)
-    # One query and one key repeated at every position: q_t . k_s depends on t - s alone.
-    same = np.concatenate([np.repeat(x[:1, :1], 6, axis=1), np.repeat(x[1:2, :1], 6, axis=1)])
-    qk = np.asarray(rope(np.concatenate([same, x[2:]]), theta=10000.0))
-    scores = np.einsum("thk,shk->hts", qk[0], qk[1])
-    for offset in range(-5, 6):
-        diag = np.diagonal(scores, offset=offset, axis1=1, axis2=2)
-        np.testing.assert_allclose(diag, diag[:, :1].repeat(diag.shape[1], 1), rtol=1e-4)
-    assert rope(x.astype(jnp.bfloat16), theta=100.0).dtype == jnp.bfloat16
-
-
-def test_llama3_rope_rewrites_the_frequencies_by_wavelength():
-    # Llama 3.1's published rule, one frequency at a time (its paper's code, in words).
-    scaling = Llama3RopeScaling(8.0, 1.0, 4.0, 64)
-    want = []
-    for i in range(8):
-        f = 500.0 ** (-2.0 * i / 16)
-        wavelength = 2 * np.pi / f
-        if wavelength < 64 / 4.0:
-            want.append(f)
-        elif wavelength > 64 / 1.0:
-            want.append(f / 8.0)
-        else:
-            smooth = (64 / wavelength - 1.0) / (4.0 - 1.0)
-            want.append((1 - smooth) * f / 8.0 + smooth * f)
-    got = rope_frequencies(16, theta=500.0, scaling=scaling)
-    np.testing.assert_allclose(got, want, rtol=1e-12)
-    plain = rope_frequencies(16, theta=500.0)
-    kept, divided = got == plain, np.isclose(got, plain / 8.0)
-    assert kept.any() and divided.any() and (~kept & ~divided).any()  # all three branches
-    x = _normal(2, 6, 3, 16)
-    y = jax.jit(lambda x: apply_rope(x, theta=500.0, scaling=scaling))(x)
-    np.testing.assert_allclose(np.asarray(y), _np_rope(x, 500.0, want), rtol=1e-5, atol=1e-6)
-
-
 def _np_softmax(s, axis=-1):
     e = np.exp(s - s.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
-
-
-def test_attention_layer_matches_plain_numpy():
-    layer = CausalSelfAttention(8, 2, rope_theta=50.0, rngs=nnx.Rngs(1))
-    x = _normal(2, 5, 8).astype(np.float64)
-    w_qkv = np.asarray(layer.qkv.kernel.get_value(), np.float64)
-    w_out = np.asarray(layer.out.kernel.get_value(), np.float64)
-    qkv = x @ w_qkv
-    heads = lambda y: y.reshape(2, 5, 2, 4)
-    q, k, v = heads(qkv[..., :8]), heads(qkv[..., 8:16]), heads(qkv[..., 16:])
-    q, k = _np_rope(q, 50.0), _np_rope(k, 50.0)
-    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(4)
-    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
-    out = np.einsum("bhts,bshk->bthk", _np_softmax(scores), v).reshape(2, 5, 8) @ w_out
-    got = _forward(layer, jnp.asarray(x, jnp.float32))
-    np.testing.assert_allclose(np.asarray(got), out, rtol=1e-5, atol=1e-6)
-    # The same arithmetic as jax's own causal attention.
-    qkv_heads = [_normal(2, 5, 2, 4, seed=i) for i in range(3)]
-    ours, jax_own = jax.jit(
-        lambda *a: (causal_attention(*a), jax.nn.dot_product_attention(*a, is_causal=True))
-    )(*qkv_heads)
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(jax_own), rtol=1e-5, atol=1e-6)
-
-
-def test_gqa_attention_with_biases_matches_numpy_in_both_layouts():
-    # 4 query heads sharing 2 key/value heads (head h reads kv head h // 2, transformers'
-    # repeat_kv), q/k/v biases; the fused layer holds the same weights as column blocks.
-    separate = CausalSelfAttention(
-        16, 4, num_kv_heads=2, fused_qkv=False, qkv_bias=True, rope_theta=50.0, rngs=nnx.Rngs(1)
-    )
-    for i, name in enumerate("qkv"):
-        getattr(separate, name).bias.set_value(
-            jnp.asarray(_normal(16 if name == "q" else 8, seed=i))
-        )
-    w = {
-        n: np.asarray(getattr(separate, n).kernel.get_value(), np.float64)
-        for n in ("q", "k", "v", "out")
-    }
-    bias = {n: np.asarray(getattr(separate, n).bias.get_value(), np.float64) for n in "qkv"}
-    x = _normal(2, 5, 16).astype(np.float64)
-    q = (x @ w["q"] + bias["q"]).reshape(2, 5, 4, 4)
-    k = np.repeat((x @ w["k"] + bias["k"]).reshape(2, 5, 2, 4), 2, axis=2)
-    v = np.repeat((x @ w["v"] + bias["v"]).reshape(2, 5, 2, 4), 2, axis=2)
-    q, k = _np_rope(q, 50.0), _np_rope(k, 50.0)
-    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(4)
-    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
-    want = np.einsum("bhts,bshk->bthk", _np_softmax(scores), v).reshape(2, 5, 16) @ w["out"]
-
-    fused = CausalSelfAttention(
-        16, 4, num_kv_heads=2, qkv_bias=True, rope_theta=50.0, rngs=nnx.Rngs(0)
-    )
-    assert fused.qkv.kernel.shape == (16, 32) and fused.projections == ("qkv", "out")
-    assert separate.projections == ("q", "k", "v", "out")
-    fused.qkv.kernel.set_value(
-        jnp.concatenate(
-            [separate.q.kernel[...], separate.k.kernel[...], separate.v.kernel[...]], axis=1
-        )
-    )
-    fused.qkv.bias.set_value(
-        jnp.concatenate([separate.q.bias[...], separate.k.bias[...], separate.v.bias[...]])
-    )
-    fused.out.kernel.set_value(separate.out.kernel[...])
-    for layer in (separate, fused):
-        got = _forward(layer, jnp.asarray(x, jnp.float32))
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
-    # The grouped arithmetic in blocks of 2 query rows (a ragged last block), against the
-    # keys and values repeated per query head.
-    q, k, v = _normal(2, 5, 4, 4, seed=3), _normal(2, 5, 2, 4, seed=4), _normal(2, 5, 2, 4, seed=5)
-    kr, vr = (np.repeat(a.astype(np.float64), 2, axis=2) for a in (k, v))
-    scores = np.einsum("bthk,bshk->bhts", q.astype(np.float64), kr) / np.sqrt(4)
-    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
-    want = np.einsum("bhts,bshk->bthk", _np_softmax(scores), vr)
-    got = jax.jit(causal_attention, static_argnames="query_block")(q, k, v, query_block=2)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("query_block", [1, 2, 3, 5])
-def test_block_causal_attention_matches_numpy_for_every_query_block(query_block):
-    # Query blocks attend only to the keys up to their last row: the same arithmetic as the
-    # full masked softmax, whatever the block size (3 leaves a ragged last block).
-    q, k, v = (_normal(2, 5, 2, 4, seed=i).astype(np.float64) for i in range(3))
-    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(4)
-    scores = np.where(np.tril(np.ones((5, 5), bool)), scores, -np.inf)
-    want = np.einsum("bhts,bshk->bthk", _np_softmax(scores), v)
-    got = jax.jit(causal_attention, static_argnames="query_block")(
-        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), query_block=query_block
-    )
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
-def test_bad_query_block_is_named(bad):
-    x = jnp.ones((1, 4, 1, 4))
-    with pytest.raises((TypeError, ValueError), match="query_block"):
-        causal_attention(x, x, x, query_block=bad)
 
 
 def test_loss_sum_is_numpy_cross_entropy_summed():
@@ -555,24 +401,6 @@ def test_bad_input():
         shard(nnx.List([]), rs.ShardingContext(mesh))
     with pytest.raises(TypeError, match=r"ctx must be a rudax\.sharding\.ShardingContext"):
         shard(model, mesh)
-    with pytest.raises(ValueError, match="features must be a multiple of num_heads=4"):
-        CausalSelfAttention(12, 4, rngs=nnx.Rngs(0))
-    with pytest.raises(
-        ValueError, match="num_kv_heads must divide num_heads=4, got num_kv_heads=3"
-    ):
-        CausalSelfAttention(16, 4, num_kv_heads=3, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="factor must be a finite number > 0"):
-        Llama3RopeScaling(0.0, 1.0, 4.0, 8192)
-    with pytest.raises(ValueError, match="original_max_position_embeddings must be a positive"):
-        Llama3RopeScaling(8.0, 1.0, 4.0, 0)
-    with pytest.raises(TypeError, match="scaling must be None or a Llama3RopeScaling"):
-        rope_frequencies(8, scaling=(8.0, 1.0, 4.0, 8192))
-    with pytest.raises(ValueError, match=r"kv_heads dividing heads.*k.shape=\(1, 2, 3, 4\)"):
-        causal_attention(jnp.ones((1, 2, 4, 4)), jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 3, 4)))
-    with pytest.raises(ValueError, match=r"even head_dim, got x.shape=\(1, 2, 1, 3\)"):
-        apply_rope(jnp.ones((1, 2, 1, 3)))
-    with pytest.raises(ValueError, match=r"kv_heads dividing heads, got q.shape.*k.shape"):
-        causal_attention(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 3, 1, 4)), jnp.ones((1, 3, 1, 4)))
     with pytest.raises(ValueError, match="top_k must be <= num_experts=2, got top_k=3"):
         MoE(4, 8, 2, top_k=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="impl must be one of"):

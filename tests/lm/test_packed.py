@@ -2,9 +2,10 @@
 
 The references are independent of the packing code: each example run alone, unpacked, by
 the plain model (the same arithmetic per example, so the bound is a few fp32 ulps of the
-logits); NumPy (RoPE at given positions, segment-masked attention); transformers'
-``LlamaForCausalLM`` with torch's cross entropy and ``ignore_index=-100``; and one device
-for the FSDP form. Every model is tiny and fp32.
+logits); transformers' ``LlamaForCausalLM`` with torch's cross entropy and
+``ignore_index=-100``; and one device for the FSDP form. Every model is tiny and fp32. The
+layer's packed arithmetic (RoPE at given positions, segment-masked attention) is checked
+against NumPy in tests/layers/test_attention.py and test_rope.py.
 """
 
 import dataclasses
@@ -19,14 +20,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import rudax.layers as rl
 import rudax.sharding as rs
-from examples.lm.attention import (
-    CausalSelfAttention,
-    Llama3RopeScaling,
-    apply_rope,
-    causal_attention,
-    rope_frequencies,
-)
 from examples.lm.hf import load_hf
 from examples.lm.model import GPT, GPTConfig, labelled_loss_sum, shard
 
@@ -38,7 +33,7 @@ F32 = dict(param_dtype=F, dtype=F)
 TINY = dict(vocab_size=V, seq_len=T, d_model=16, n_layers=1, n_heads=2, mlp_hidden=32, **F32)
 # head_dim 8 at theta 5e5: wavelengths 6.3, 167, 4.4e3, 1.2e5 against L / 4 = 64 and L = 256,
 # so the rewrite keeps one frequency, blends one and divides two (as in tests/lm/test_hf.py).
-LLAMA3 = Llama3RopeScaling(8.0, 1.0, 4.0, 256)
+LLAMA3 = rl.Llama3RopeScaling(8.0, 1.0, 4.0, 256)
 CONFIGS = {
     "dense": dict(n_layers=2),
     "gqa": dict(n_heads=4, n_kv_heads=2, fused_qkv=False, tie_embeddings=False),
@@ -138,94 +133,6 @@ def test_one_segment_at_positions_0_to_T_is_the_plain_call_bit_for_bit(name):
     np.testing.assert_array_equal(
         np.asarray(_packed_logits(model, tokens, seg, pos)), np.asarray(_plain(model, tokens))
     )
-
-
-def _np_rope_at(x, positions, freqs):
-    """Rotates channel pair (i, i + K/2) of token (b, t) by positions[b, t] * freqs[i]."""
-    x = np.asarray(x, np.float64)
-    half = x.shape[-1] // 2
-    a = np.asarray(positions, np.float64)[:, :, None, None] * np.asarray(freqs)  # [B, T, 1, K/2]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * np.cos(a) - x2 * np.sin(a), x2 * np.cos(a) + x1 * np.sin(a)], -1)
-
-
-@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
-def test_rope_at_given_positions_matches_numpy(scaling):
-    x = np.random.default_rng(0).standard_normal((2, 6, 3, 8)).astype(np.float32)
-    positions = np.array([[0, 1, 2, 0, 1, 5], [3, 0, 4, 4, 2, 1]], np.int32)
-    rope = jax.jit(lambda x, p: apply_rope(x, positions=p, theta=5e5, scaling=scaling))
-    got = np.asarray(rope(x, positions))
-    want = _np_rope_at(x, positions, rope_frequencies(8, theta=5e5, scaling=scaling))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    # Outside [0, T): that token's rotation is NaN, never another position's; the rest stands.
-    bad = positions.copy()
-    bad[0, 1], bad[1, 4] = 6, -1
-    out = np.asarray(rope(x, bad))
-    assert np.isnan(out[0, 1]).all() and np.isnan(out[1, 4]).all()
-    ok = np.ones((2, 6), bool)
-    ok[0, 1] = ok[1, 4] = False
-    np.testing.assert_array_equal(out[ok], got[ok])
-
-
-def _np_segment_attention(q, k, v, seg):
-    """Plain masked softmax attention; key s visible to query t iff s <= t, same segment."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    rep = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
-    t = q.shape[1]
-    mask = np.tril(np.ones((t, t), bool)) & (seg[:, :, None] == seg[:, None, :])
-    scores = np.where(mask[:, None], scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    return np.einsum("bhts,bshk->bthk", p / p.sum(-1, keepdims=True), v)
-
-
-@pytest.mark.parametrize(
-    ("query_block", "kv_heads"), [(4, 2), (3, 4), (16, 2)], ids=["4-gqa", "3-mha", "one-block-gqa"]
-)
-def test_segment_attention_matches_numpy_in_every_block_size(query_block, kv_heads):
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((3, 11, 4, 4)).astype(np.float32) * 2
-    k, v = (rng.standard_normal((3, 11, kv_heads, 4)).astype(np.float32) * 2 for _ in range(2))
-    seg = np.array(
-        [
-            [1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0],  # segments crossing the blocks' edges
-            [1] * 11,
-            [0] * 11,  # all padding: attends to itself, finite
-        ],
-        np.int32,
-    )
-    attend = jax.jit(causal_attention, static_argnames="query_block")
-    got = np.asarray(attend(q, k, v, segment_ids=seg, query_block=query_block))
-    np.testing.assert_allclose(got, _np_segment_attention(q, k, v, seg), rtol=1e-5, atol=1e-6)
-    assert np.isfinite(got).all()
-
-
-def test_attention_layer_with_segments_and_positions_matches_numpy():
-    # Separate q/k/v with biases, 4 query heads on 2 key/value heads; two examples packed,
-    # the second at positions with a gap, then padding.
-    layer = CausalSelfAttention(
-        16, 4, num_kv_heads=2, fused_qkv=False, qkv_bias=True, rope_theta=50.0, rngs=nnx.Rngs(1)
-    )
-    rng = np.random.default_rng(0)
-    for name in ("q", "k", "v", "out"):
-        proj = getattr(layer, name)
-        proj.kernel.set_value(jnp.asarray(0.5 * rng.standard_normal(proj.kernel.shape), F))
-        if proj.bias is not None:
-            proj.bias.set_value(jnp.asarray(0.5 * rng.standard_normal(proj.bias.shape), F))
-    x = rng.standard_normal((1, 9, 16)).astype(np.float32)
-    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]], np.int32)
-    pos = np.array([[0, 1, 2, 3, 0, 1, 3, 0, 0]], np.int32)
-    w = {n: np.asarray(getattr(layer, n).kernel.get_value(), np.float64) for n in "qkv"}
-    bias = {n: np.asarray(getattr(layer, n).bias.get_value(), np.float64) for n in "qkv"}
-    x64 = x.astype(np.float64)
-    q, k, v = ((x64 @ w[n] + bias[n]).reshape(1, 9, -1, 4) for n in "qkv")
-    freqs = rope_frequencies(4, theta=50.0)
-    heads = _np_segment_attention(_np_rope_at(q, pos, freqs), _np_rope_at(k, pos, freqs), v, seg)
-    want = heads.reshape(1, 9, 16) @ np.asarray(layer.out.kernel.get_value(), np.float64)
-    run = nnx.jit(lambda layer, x, s, p: layer(x, segment_ids=s, positions=p))
-    got = np.asarray(run(layer, x, seg, pos))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 # -------------------------------------------------------------------- labelled_loss_sum
@@ -456,9 +363,3 @@ def test_bad_segment_ids_or_positions_are_named():
         model.features(tokens, positions=np.zeros((2, 8), np.float32))
     with pytest.raises(TypeError, match="batch must be a dict"):
         labelled_loss_sum(model, [tokens] * 4)
-    layer = CausalSelfAttention(8, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"positions must be \[batch, time\] = \(1, 5\)"):
-        layer(jnp.ones((1, 5, 8)), positions=np.zeros((5,), np.int32))
-    x = jnp.ones((1, 4, 1, 4))
-    with pytest.raises(TypeError, match=r"segment_ids must be integers, got segment_ids\.dtype=f"):
-        causal_attention(x, x, x, segment_ids=jnp.ones((1, 4)))
