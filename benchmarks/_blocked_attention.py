@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rudax._validation import check_positive_int
+from rudax.layers._rope import _check_per_token
 
 # Query rows per block of ``causal_attention``: small enough that the masked half it skips
 # matters (T = 256 in 4 blocks computes 10/16 of the scores), large enough that each block's
@@ -131,16 +132,3 @@ def causal_attention(
         out = jnp.einsum(o_spec, probs.astype(v.dtype), v[:, :e])
         outs.append(out if g == h else out.reshape(b, e - s, h, kd))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-
-
-def _check_per_token(name: str, value: Any, shape_BxT: tuple[int, ...]) -> jax.Array:
-    """``value`` as an integer ``[batch, time]`` array of ``shape_BxT``, or a clear error."""
-    value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.integer):
-        raise TypeError(f"{name} must be integers, got {name}.dtype={value.dtype}")
-    if value.shape != tuple(shape_BxT):
-        raise ValueError(
-            f"{name} must be [batch, time] = {tuple(shape_BxT)}, one per token, got "
-            f"{name}.shape={value.shape}"
-        )
-    return value

@@ -46,6 +46,17 @@ def test_readme_quickstart_runs():
     exec(compile(blocks[0], "README.md", "exec"), {})
 
 
+def test_readme_attention_example_runs():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Attention\n", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["out"].shape == (1, 8, 8, 64)
+    assert namespace["dq"].shape == (1, 8, 8, 64)
+    assert namespace["y"].shape == (2, 1024, 512)
+
+
 def test_readme_main_command_is_the_lm_trainer():
     readme = (ROOT / "README.md").read_text()
     assert 'python -m pip install -e ".[examples]" && python -m examples.lm.train\n' in readme
