@@ -29,6 +29,7 @@ from rudax.kernels._attention_mask import Mask
 from rudax.kernels._blocks import check_block
 
 IMPLS = ("auto", "pallas", "xla", "cudnn")
+_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,9 +248,11 @@ def flash_attention(
       impl: ``"auto"`` (the Pallas kernels where lowered for a GPU, XLA elsewhere),
         ``"pallas"``, ``"xla"`` (chunks of ``block.xla_q`` x ``block.xla_kv`` in ``lax``
         loops), or ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``: a
-        GPU with cuDNN, fp16/bf16; refused with segment ids, a softcap, or T != S with a
-        causal mask or window, which it would compute differently).
-      interpret: run the Pallas kernels in interpret mode, on any backend (for tests).
+        GPU with cuDNN, fp16/bf16; refused with segment ids, a softcap, a window other than
+        ``(left, 0)`` with ``causal``, or T != S with a causal mask or window, which it would
+        compute differently).
+      interpret: with ``impl="pallas"``, run the Pallas kernels in interpret mode, on any
+        backend (for tests); ``impl="auto"`` ignores it, as every rudax kernel does.
       block: the ``FlashAttentionBlock``; None for the default.
 
     Returns:
@@ -285,7 +288,7 @@ def flash_attention(
     s = k.shape[1]
     check_bool("causal", causal, allow_numpy=False)
     q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
-    window = _check_window(window)
+    window = _check_window(window, t, s)
     softcap = _check_positive_static("softcap", softcap)
     scale = _check_positive_static("scale", scale)
     scale = 1.0 / math.sqrt(kd) if scale is None else scale
@@ -329,8 +332,9 @@ def _check_qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]
     dtypes = f"q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}"
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have the same dtype, got {dtypes}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"q, k and v must have a floating dtype, got {dtypes}")
+    if q.dtype not in _DTYPES:
+        # fp8 would pass a floating check, and its probabilities would be rounded to 3 bits.
+        raise TypeError(f"q, k and v must be float16, bfloat16, float32 or float64, got {dtypes}")
     return q, k, v
 
 
@@ -365,7 +369,7 @@ def _check_ids(name: str, ids: Any, shape: tuple[int, int], spec: str) -> jax.Ar
     return jnp.asarray(ids, jnp.int32)
 
 
-def _check_window(window: Any) -> tuple[int, int] | None:
+def _check_window(window: Any, t: int, s: int) -> tuple[int, int] | None:
     if window is None:
         return None
     ok = (
@@ -375,7 +379,9 @@ def _check_window(window: Any) -> tuple[int, int] | None:
     )
     if not ok or int(window[0]) < 0 or int(window[1]) < 0:
         raise ValueError(f"window must be None or (left, right), two ints >= 0, got {window=}")
-    return int(window[0]), int(window[1])
+    # Past T + S a side hides nothing; clamped, the int32 position arithmetic cannot overflow
+    # and every wider window shares one compiled program.
+    return min(int(window[0]), t + s), min(int(window[1]), t + s)
 
 
 def _check_positive_static(name: str, value: Any) -> float | None:
@@ -394,6 +400,8 @@ def _check_cudnn(q, k, causal, q_seg, softcap, window) -> None:
         why.append("segment_ids (jax.nn.dot_product_attention's cuDNN path takes no segment ids)")
     if softcap is not None:
         why.append("softcap")
+    if window is not None and not (causal and window[1] == 0):
+        why.append("a window other than (left, 0) with causal=True (cuDNN's sliding window)")
     if (causal or window is not None) and q.shape[1] != k.shape[1]:
         why.append(
             f"a causal mask or window with T={q.shape[1]} != S={k.shape[1]} (cuDNN aligns the "
@@ -436,7 +444,9 @@ def flash_attention_reference(
     b, t, h, kd = q.shape
     s, g = k.shape[1], k.shape[2]
     q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
-    window = _check_window(window)
+    window = _check_window(window, t, s)
+    softcap = _check_positive_static("softcap", softcap)
+    scale = _check_positive_static("scale", scale)
     scale = 1.0 / math.sqrt(kd) if scale is None else scale
     q5 = q.reshape(b, t, g, h // g, kd)
     highest = jax.lax.Precision.HIGHEST if q.dtype.itemsize >= 4 else None

@@ -17,8 +17,10 @@ price is that the backward computes the scores twice (once per kernel).
 The scores are computed in base 2 (``exp2`` of scores times log2(e)), the GPU's native
 exponential; the saved log-sum-exp is natural, the same as the XLA path's. Blocks are powers
 of two of at least 16 rows (Triton's ``dot``); the sequences are padded with zeros to whole
-blocks and the head dimension to a power of two, each only when it is not already one.
-Padding is masked (``Mask``): padded keys are never seen, padded queries see nothing.
+blocks and the head dimension to a power of two of at least 16 (80 -> 128, 8 -> 16), each
+only when it is not already one: a padded copy, unlike the row kernels' masked loads, which
+attention's O(T^2) work makes cheap. Padding is masked (``Mask``): padded keys are never
+seen, padded queries see nothing.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def forward(q, k, v, q_seg, kv_seg, *, mask: Mask, scale, softcap, block, interp
     k, v = (_pad_to(_pad_to(x, 1, bk), 3, kp) for x in (k, v))
     tp, sp = q.shape[1], k.shape[1]
     segments = q_seg is not None
-    kv_head = lambda i, bb, hh: (bb, 0, lax.div(hh, r), 0)
+    kv_head = lambda i, bb, hh: (bb, 0, lax.div(hh, jnp.int32(r)), 0)
     in_specs = [
         pl.BlockSpec((None, bq, None, kp), lambda i, bb, hh: (bb, i, hh, 0)),
         pl.BlockSpec((None, sp, None, kp), kv_head),
@@ -307,7 +309,9 @@ def backward(
 
     # dQ: a program per (query block, row, query head).
     q_block = pl.BlockSpec((None, bq, None, kp), lambda i, bb, hh: (bb, i, hh, 0))
-    kv_head = pl.BlockSpec((None, sp, None, kp), lambda i, bb, hh: (bb, 0, lax.div(hh, r), 0))
+    kv_head = pl.BlockSpec(
+        (None, sp, None, kp), lambda i, bb, hh: (bb, 0, lax.div(hh, jnp.int32(r)), 0)
+    )
     row = pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))
     seg_specs = [
         pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)),
