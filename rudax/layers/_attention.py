@@ -78,7 +78,8 @@ class Attention(nnx.Module):
       out_init: initializer of the ``out`` kernel; N(0, 0.02) by default.
       impl: ``"auto"``, ``"pallas"``, ``"xla"`` or ``"cudnn"``, passed to
         ``rudax.kernels.flash_attention``.
-      interpret: run the Pallas kernels in interpret mode (tests on CPU).
+      interpret: with ``impl="pallas"``, run the Pallas kernels in interpret mode (tests on
+        CPU); ignored by ``impl="auto"``.
       block: None, or a ``rudax.kernels.FlashAttentionBlock`` of the kernel's block sizes.
       rngs: the ``nnx.Rngs`` whose ``params`` stream draws the kernels.
 
