@@ -287,12 +287,12 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         "data_identity": _identity(train_data),
         "val_data_identity": None if val_data is None else _identity(val_data),
     }
-    run_config = {k: v for k, v in vars(args).items() if k not in SESSION_FLAGS} | identity
+    # Where the base and the data are is not the run's (a resumed run may find them elsewhere,
+    # or take the default base): their identities stand for them in the checkpoint.
+    run_config = {k: v for k, v in vars(args).items() if k not in SESSION_FLAGS + PLACES} | identity
     if args.resume:
         _check_identity(run_dir, identity)
     run_dir.mkdir(parents=True, exist_ok=True)
-    saved = {**vars(args), **identity, "base": str(base_dir)}
-    (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
     record = lambda step: rc.TrainingRecord.capture(
         model={"adapters": adapters, "rngs": rngs},
         optimizer=opt_state,
@@ -307,13 +307,16 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         print(f"--resume: {run_dir} has no checkpoint yet: starting from update 0")
     if resumed:
         try:
-            restored = checkpointer.restore(record(0))
-        except ValueError as e:  # a damaged checkpoint, or one of another configuration
+            restored = _restore(checkpointer, record(0), run_dir)
+        except UsageError:
             checkpointer.close()
-            raise UsageError(f"--resume: {e}") from e
+            raise
         adapters, rngs = restored.model["adapters"], restored.model["rngs"]
         opt_state, acc, step = restored.optimizer, restored.accumulator, restored.state["step"]
         print(f"resumed {run_dir} at update {step} of {args.steps}")
+    # Written once every check has passed: a refused --resume leaves the run as it was.
+    saved = {**vars(args), **identity, "base": str(base_dir)}
+    (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
 
     # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
@@ -564,6 +567,34 @@ def _check_identity(run_dir: Path, identity: dict[str, Any]) -> None:
                 f"({saved.get(key)} vs "
                 f"{identity[key]}): the batches would not be the same"
             )
+
+
+def _restore(
+    checkpointer: rc.Checkpointer, like: rc.TrainingRecord, run_dir: Path
+) -> rc.TrainingRecord:
+    """--resume: the latest checkpoint; a damaged one, or one of another configuration, is a
+    UsageError saying what to do."""
+    steps = checkpointer.all_steps()
+    latest = steps[-1]
+    try:
+        return checkpointer.restore(like, step=latest)
+    except rc.CheckpointCorruptedError as e:
+        where = run_dir / "checkpoints" / str(latest)
+        fix = (
+            f"move {where} out of {where.parent} to resume from update {steps[-2]}"
+            if len(steps) > 1
+            else "no earlier checkpoint: start a new run (another --name or --run-dir)"
+        )
+        raise UsageError(
+            f"--resume: checkpoint {latest} in {where.parent} is damaged; {fix} ({e})"
+        ) from e
+    except ValueError as e:  # the run's config.json is not the checkpoints' configuration
+        difference = str(e).partition("; pass strict=False")[0]
+        raise UsageError(
+            f"--resume: {run_dir / 'config.json'} does not describe the run its checkpoints "
+            f"were saved by ({difference}): put back the config.json the run was started "
+            "with, or start a new run (another --name or --run-dir)"
+        ) from e
 
 
 def _checkpointer(run_dir: Path, *, keep: int) -> rc.Checkpointer:

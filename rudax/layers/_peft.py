@@ -14,6 +14,7 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
+from rudax._validation import check_bool
 from rudax.layers._apply_lora import (
     ModuleNames,
     apply_lora,
@@ -275,6 +276,7 @@ def load_adapter(
     *,
     names: ModuleNames | None = None,
     rngs: nnx.Rngs | None = None,
+    is_trainable: bool = False,
 ) -> list[str]:
     """Reads a peft LoRA adapter directory into the model, in place, applying LoRA if needed.
 
@@ -290,6 +292,13 @@ def load_adapter(
     each converted to the adapter's storage dtype (as torch's ``load_state_dict`` copies
     into a parameter's dtype).
 
+    The model is then left in inference mode, as peft's ``PeftModel.from_pretrained(base,
+    directory, is_trainable=False)`` leaves its model: ``model.eval()``, so every Dropout
+    (the adapters' ``lora_dropout`` among them) is deterministic and two calls on the same
+    input agree. With ``is_trainable=True`` the mode is left as it is, as in peft (adapters
+    this call applies start in training mode, with dropout active), to resume training;
+    ``model.train()`` / ``model.eval()`` switch it afterwards either way.
+
     Refused, naming the field or key: ``peft_type`` other than ``"LORA"``; config fields that
     change the math and that rudax does not implement (``fan_in_fan_out``, ``bias`` other
     than ``"none"``, ``use_dora``, ``rank_pattern``/``alpha_pattern``, ``lora_bias``,
@@ -304,6 +313,8 @@ def load_adapter(
       names: the ``ModuleNames`` mapping nnx paths to peft names; None for the dotted path.
       rngs: for the dropout masks of layers this call adapts (A is read from the file);
         None for ``nnx.Rngs(0)``.
+      is_trainable: False (the default, as in peft) puts the model in eval mode; True
+        leaves its mode unchanged, for training the loaded adapters further.
 
     Returns:
       The loaded layers' names, sorted.
@@ -325,11 +336,14 @@ def load_adapter(
       >>> x = np.ones((1, 4), np.float32)
       >>> bool(np.array_equal(model["q_proj"](x), trained["q_proj"](x)))
       True
+      >>> model["q_proj"].dropout.deterministic  # inference mode, as peft's default
+      True
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}: {model=}")
     if rngs is not None and not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs or None, got {type(rngs).__name__}: {rngs=}")
+    check_bool("is_trainable", is_trainable)
     config_path = os.path.join(directory, CONFIG_NAME)
     weights_path = os.path.join(directory, WEIGHTS_NAME)
     for p in (config_path, weights_path):
@@ -379,6 +393,10 @@ def load_adapter(
             for which, var in (("A", lora.lora_a), ("B", lora.lora_b)):
                 tensor = f.get_tensor(f"{_PREFIX}{m.name}.lora_{which}.weight")
                 var.set_value(jnp.asarray(tensor.T, dtype=var.get_value().dtype))
+    if not is_trainable:
+        # peft's from_pretrained calls eval() on the whole model, base included (issue 28:
+        # lora_dropout stayed active, so repeated calls differed).
+        model.eval()
     return [m.name for m in loaded]
 
 

@@ -37,17 +37,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def base_dir(tmp_path_factory) -> Path:
+def tiny_base(out: Path, *, seq_len: int = 64) -> Path:
     """A random 2-block Llama (widths multiples of 64, as NF4's blocks need) saved as an HF
-    directory with a BPE trained on the examples' text; never modify it."""
-    root = tmp_path_factory.mktemp("base")
+    directory ``out`` with a BPE trained on the examples' text; ``seq_len`` positions."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     texts = [r["prompt"] + r["completion"] for r in examples(200, seed=0)]
     tokenizer = train_tokenizer(texts, 300)
-    tokenizer.save(str(root / "tokenizer.json"))
+    tokenizer.save(str(out.parent / f"{out.name}.tokenizer.json"))
     config = GPTConfig(
         vocab_size=320,
-        seq_len=64,
+        seq_len=seq_len,
         d_model=64,
         n_layers=2,
         n_heads=4,
@@ -59,11 +58,17 @@ def base_dir(tmp_path_factory) -> Path:
     )
     save_hf(
         GPT(config, rngs=nnx.Rngs(0)),
-        root / "hf",
-        tokenizer=root / "tokenizer.json",
+        out,
+        tokenizer=out.parent / f"{out.name}.tokenizer.json",
         eos_token_id=0,
     )
-    return root / "hf"
+    return out
+
+
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory) -> Path:
+    """``tiny_base`` with 64 positions; never modify it."""
+    return tiny_base(tmp_path_factory.mktemp("base") / "hf")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,8 +23,9 @@ from safetensors.numpy import load_file, save_file
 
 import rudax.kernels as rk
 import rudax.layers as rl
+from examples.finetune import instructions
 from examples.finetune.train import main
-from tests.finetune.conftest import write_jsonl
+from tests.finetune.conftest import tiny_base, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
@@ -142,6 +144,80 @@ def test_scanned_layers_train_the_same_qlora_run(base_dir, data_files, tmp_path)
     assert (step, loss) == runs["plain"][0][:2]  # the first loss: the forward is bitwise
     # Then the gradients' rounding (tests/lm/test_scan_layers.py), one update's worth.
     assert later[1] == pytest.approx(runs["plain"][1][1], rel=1e-5)
+
+
+def _readme_resume_commands() -> list[list[str]]:
+    """The README's stop-and-resume line, each command's flags."""
+    line = next(
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if "--stop-at" in line and "--resume" in line
+    )
+    prog = ["python", "-m", "examples.finetune"]
+    commands = [shlex.split(c) for c in line.split("&&")]
+    assert all(c[:3] == prog for c in commands), line
+    return [c[3:] for c in commands]
+
+
+def test_readme_stop_and_resume_with_the_default_base(data_files, tmp_path_factory, monkeypatch):
+    # As the README runs it: no --base (hf/base) and no --data (data/instructions), both
+    # relative to the working directory, and the program's default flags.
+    cwd = tmp_path_factory.mktemp("cwd")
+    tiny_base(cwd / "hf" / "base", seq_len=256)  # the default --seq-len 256
+    for path, name in zip(data_files, (instructions.TRAIN, instructions.VAL), strict=True):
+        (cwd / "data" / "instructions").mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, cwd / "data" / "instructions" / name)
+    monkeypatch.chdir(cwd)
+    first, then = _readme_resume_commands()
+    assert main(first)["step"] == 20
+    result = main(then)
+    assert result["step"] == 40
+    assert [s for s, *_ in _train_rows(cwd / "runs" / "a")] == list(range(1, 41))
+
+
+def _snapshot(run_dir: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(run_dir)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_failed_resume_changes_nothing_and_says_what_to_do(
+    base_dir, data_files, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    flags = _flags(base_dir, data_files, run_dir, "--steps", "4", "--checkpoint-every", "1")
+    main([*flags, "--stop-at", "2"])
+    config = run_dir / "config.json"
+    started = config.read_text()
+    config.write_text(started.replace('"lr": 0.01', '"lr": 0.02'))  # edited by hand
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--resume", "--run-dir", str(run_dir)])
+    assert _snapshot(run_dir) == before
+    err = capsys.readouterr().err
+    assert "config['lr']: saved 0.01, template 0.02" in err
+    assert "put back the config.json the run was started with" in err
+    config.write_text(started)
+    # A damaged checkpoint.
+    latest = run_dir / "checkpoints" / "2"
+    files = [p for p in latest.rglob("*") if p.is_file()]
+    path = max(files, key=lambda p: p.stat().st_size)  # the array data
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--resume", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert _snapshot(run_dir) == before  # config.json, metrics.jsonl, checkpoints: untouched
+    assert f"checkpoint 2 in {run_dir / 'checkpoints'} is damaged" in err
+    assert "to resume from update 1" in err
+    # The advice works.
+    shutil.move(latest, tmp_path / "aside")
+    assert main(["--resume", "--run-dir", str(run_dir)])["step"] == 4
 
 
 def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):

@@ -172,6 +172,74 @@ def test_bf16_adapters_round_trip_exactly(tmp_path):
                 )
 
 
+# ---------------------------------------------------------------------------- load mode
+
+
+@pytest.fixture
+def dropout_dir(tmp_path):
+    """An adapter saved with lora_dropout=0.5 and B non-zero, so dropout changes the output,
+    and the trained model it came from in eval mode (the adapters' full, undropped output)."""
+    trained = Net(nnx.Rngs(0))
+    names = rl.apply_lora(
+        trained, ["q_proj", "up"], rank=2, alpha=4.0, dropout=0.5, rngs=nnx.Rngs(1)
+    )
+    mods = modules_by_name(trained)
+    for i, n in enumerate(names):
+        mods[n].lora_b[...] = normal((2, mods[n].out_features), i)
+    rl.save_adapter(trained, tmp_path, base_model_name_or_path=None)
+    trained.eval()
+    return tmp_path, trained(X)
+
+
+def _adapted(adapted):
+    """A bare Net, or one already adapted as the file (still in training mode)."""
+    model = Net(nnx.Rngs(0))
+    if adapted:
+        rl.apply_lora(model, ["q_proj", "up"], rank=2, alpha=4.0, dropout=0.5, rngs=nnx.Rngs(2))
+    return model
+
+
+@pytest.mark.parametrize("adapted", [False, True], ids=["bare", "adapted"])
+def test_a_loaded_model_is_in_inference_mode_as_peft_by_default(dropout_dir, adapted):
+    # Issue 28: lora_dropout stayed active after load_adapter, so two calls differed; peft's
+    # PeftModel.from_pretrained(..., is_trainable=False) returns a model in eval mode.
+    directory, expected = dropout_dir
+    model = _adapted(adapted)
+    rl.load_adapter(model, directory, rngs=nnx.Rngs(3))
+    first = model(X)
+    np.testing.assert_array_equal(model(X), first)
+    np.testing.assert_allclose(first, expected, rtol=1e-6, atol=1e-6)
+    loras = [m for m in modules_by_name(model).values() if isinstance(m, rl.LoRALinear)]
+    assert len(loras) == 2 * LAYERS and all(m.dropout.deterministic for m in loras)
+
+
+@pytest.mark.parametrize("adapted", [False, True], ids=["bare", "adapted"])
+def test_is_trainable_keeps_dropout_active(dropout_dir, adapted):
+    directory, expected = dropout_dir
+    model = _adapted(adapted)
+    rl.load_adapter(model, directory, rngs=nnx.Rngs(3), is_trainable=True)
+    # Each call draws a fresh mask from the layers' streams.
+    first, second = model(X), model(X)
+    assert np.abs(first - second).max() > 1e-3
+    assert np.abs(first - expected).max() > 1e-3
+    # Different rngs at load, different masks.
+    other = _adapted(adapted)
+    rl.load_adapter(other, directory, rngs=nnx.Rngs(4), is_trainable=True)
+    if not adapted:  # an adapted model keeps its own streams (rngs=2 in both)
+        assert np.abs(other(X) - first).max() > 1e-3
+    model.eval()
+    np.testing.assert_allclose(model(X), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_is_trainable_leaves_an_eval_model_in_eval_mode(dropout_dir):
+    # As peft, which only calls eval() when is_trainable is False and never train().
+    directory, expected = dropout_dir
+    model = _adapted(adapted=True)
+    model.eval()
+    rl.load_adapter(model, directory, is_trainable=True)
+    np.testing.assert_allclose(model(X), expected, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- save errors
 
 
@@ -368,3 +436,7 @@ def test_load_adapter_refuses_a_different_rank_or_scale_and_bad_arguments(saved)
         rl.load_adapter(model, tmp_path / "good", rngs=0)
     with pytest.raises(TypeError, match=r"model must be an nnx\.Module, got dict"):
         rl.load_adapter({}, tmp_path / "good")
+    bare = Net(nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"is_trainable must be a bool, got is_trainable='yes'"):
+        rl.load_adapter(bare, tmp_path / "good", is_trainable="yes")
+    assert not any(isinstance(m, rl.LoRALinear) for m in modules_by_name(bare).values())
