@@ -111,14 +111,20 @@ def default_stages() -> list[Stage]:
             ("bash", "-c", f"nvidia-smi -L; {py} -c '{env}' | tee {{out}}/env.json"),
             _json_file("env"),
         ),
+        # 952 tests, most compiling a kernel for the GPU: 8 xdist workers share the GPU
+        # (no preallocation, so each takes only what it uses) and the 16 host cores.
         Stage(
             "tests",
-            120,
+            150,
             (
+                "env",
+                "XLA_PYTHON_CLIENT_PREALLOCATE=false",
                 py,
                 "-m",
                 "pytest",
                 "-q",
+                "-n",
+                "8",
                 "-p",
                 "no:cacheprovider",
                 "--junitxml",
@@ -149,7 +155,7 @@ def default_stages() -> list[Stage]:
         ),
         Stage(
             "kernels",
-            75,
+            65,
             (
                 py,
                 "-m",
@@ -171,13 +177,13 @@ def default_stages() -> list[Stage]:
         ),
         Stage(
             "determinism",
-            75,
+            60,
             (py, "-m", "benchmarks.gpu_determinism", "--json", "{out}/determinism.json"),
             _json_file("determinism"),
         ),
         Stage(
             "embedding",
-            35,
+            30,
             (
                 py,
                 "-m",
