@@ -15,8 +15,8 @@ followed by an elementwise pass, or a pure elementwise pass) over arbitrary feat
   deprecates it: "will be removed in a future version of JAX. To keep using Pallas on GPU,
   please migrate to the Mosaic GPU backend. To keep using Triton, switch to the official
   Triton bindings and jax_triton." Deprecated is not removed: 0.11 still ships it, and it is
-  the lowering of the two that takes these kernels today. (Checked here by lowering for CUDA
-  on a CPU host, jax 0.10.2; not yet run on a GPU by rudax.)
+  the lowering of the two that takes these kernels today. (Checked by lowering for CUDA
+  on a CPU host, jax 0.10.2, and run on an H200, jax 0.11.2: ``docs/gpu_results.md``.)
 * Mosaic GPU, the lowering ``pallas_call`` picks without compiler params, does not lower them
   here (jax 0.10.2): a row reduction of a 2-D block fails with "No support for axes yet", and
   its TMA copies need every global-memory stride but the last to be a multiple of 16 bytes,

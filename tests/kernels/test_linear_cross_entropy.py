@@ -276,6 +276,13 @@ def test_second_call_does_not_recompile():
     assert step._cache_size() == 1, "the gradient recompiled for new values"
 
 
+# Two devices: the simulated CPU devices of tests/conftest.py; a one-GPU machine has one.
+TWO_DEVICES = pytest.mark.skipif(
+    jax.device_count() < 2, reason="needs 2 devices (a one-GPU machine has 1)"
+)
+
+
+@TWO_DEVICES
 @pytest.mark.parametrize("make_mesh", ["Mesh", "make_mesh"], ids=["auto-axes", "explicit-axes"])
 def test_inside_shard_map_a_replicated_table_gets_the_summed_gradient(make_mesh):
     # Tokens split over `data`, the table replicated: each rank's loss and count are its
@@ -309,6 +316,7 @@ def test_inside_shard_map_a_replicated_table_gets_the_summed_gradient(make_mesh)
     _assert_matches_numpy(got, np.asarray(x), np.asarray(table), np.asarray(labels))
 
 
+@TWO_DEVICES
 @pytest.mark.parametrize(
     ("x_spec", "table_spec", "name"),
     [(P("data"), P(), "features_NxD"), (P(), P(None, "data"), "table_VxD")],

@@ -177,7 +177,10 @@ def test_skip_is_a_select_not_a_conditional(impl):
     # and the counts see a skip written as a conditional
     cond_skip = skip_by_cond(unfused(1e-2, jnp.bfloat16, 1.0))
     assert conditionals(cond_skip, params, grads, compiled=False) >= 1
-    assert conditionals(cond_skip, params, grads, compiled=True) >= 1
+    # XLA:CPU keeps the conditional in the compiled program; XLA:GPU turned this small one
+    # into selects (seen on an H200), so there only the traced count can see it.
+    if jax.default_backend() == "cpu":
+        assert conditionals(cond_skip, params, grads, compiled=True) >= 1
 
 
 def test_without_skip_nonfinite_gradients_flow_through():
