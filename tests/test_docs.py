@@ -27,7 +27,14 @@ def test_docstring_examples(name):
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
 
 
-PACKAGES = ["rudax.optim", "rudax.layers", "rudax.kernels", "rudax.sharding", "rudax.checkpoint"]
+PACKAGES = [
+    "rudax.optim",
+    "rudax.layers",
+    "rudax.kernels",
+    "rudax.sharding",
+    "rudax.checkpoint",
+    "rudax.models",
+]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -339,15 +339,18 @@ _LLAMA = dict(
     ("overrides", "match"),
     [
         (dict(architectures=["MistralForCausalLM"]), r"architectures=\['MistralForCausalLM'\]"),
-        (dict(model_type="mistral"), "model_type='mistral' does not match"),
+        (dict(model_type="mistral"), "the causal LM of model_type='mistral'"),
         (dict(quantization_config={"bits": 4}), "quantization_config=.* does not implement"),
-        (dict(sliding_window=8), "sliding_window=8 is a field load_hf does not implement"),
+        (dict(sliding_window=8), "sliding_window=8 is a field rudax.models does not implement"),
         (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
         (dict(attention_bias=True), "attention_bias=True is not supported"),
         (dict(mlp_bias=True), "mlp_bias=True is not supported"),
         (dict(head_dim=16), "head_dim=16 is not supported.* 8 wide"),
         (dict(attention_dropout=0.1), "attention_dropout=0.1 is not supported"),
-        (dict(num_key_value_heads=3), "config.json: n_kv_heads must divide n_heads=4"),
+        (
+            dict(num_key_value_heads=3),
+            "config.json: num_key_value_heads=3 must divide num_attention_heads=4",
+        ),
         (dict(hidden_size=None), "hidden_size is missing"),
         (dict(dtype=None), "no dtype or torch_dtype field: pass param_dtype"),
         (dict(dtype="float64"), "dtype='float64' is not supported"),
@@ -410,7 +413,7 @@ def test_qwen2_sliding_window_is_refused_and_its_off_fields_accepted():
         config_from_hf({**qwen, **off, "use_sliding_window": True})
     with pytest.raises(ValueError, match=r"layer_types=.*sliding_attention"):
         config_from_hf({**qwen, "layer_types": ["sliding_attention"]})
-    with pytest.raises(ValueError, match=r"attention_bias=.* load_hf does not implement"):
+    with pytest.raises(ValueError, match=r"attention_bias=.* rudax.models does not implement"):
         config_from_hf({**qwen, "attention_bias": True})  # not a Qwen2 field
 
 
@@ -514,3 +517,9 @@ def test_docstring_examples(module):
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     result = doctest.testmod(module, optionflags=flags)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_token_id_fields_transformers_writes_are_accepted():
+    # A real 135M checkpoint written by transformers 5 was refused over "unk_token_id": 0.
+    ids = dict(unk_token_id=0, bos_token_id=0, eos_token_id=[0, 2], sep_token_id=None)
+    assert config_from_hf({**_LLAMA, **ids}) == config_from_hf(_LLAMA)
