@@ -116,6 +116,7 @@ def apply_rope(
     positions: jax.Array | None = None,
     theta: float = 10000.0,
     scaling: Llama3RopeScaling | None = None,
+    table_size: int | None = None,
 ) -> jax.Array:
     """Rotary position embedding of queries or keys at positions ``0 .. T-1`` or given ones.
 
@@ -136,15 +137,17 @@ def apply_rope(
     restart at 0). The table of ``cos``/``sin`` for ``t = 0 .. T-1`` is the same float64
     NumPy constant as without ``positions``, and each token reads its row of it, so a token
     at position ``t`` is rotated bit for bit as the ``t``-th token of an unpacked row is.
-    A position outside ``[0, T)`` cannot be checked at trace time: its token's rotation is
-    NaN, visibly wrong, never clamped to another position.
+    ``table_size`` makes the table longer than T: a KV cache's new tokens sit at positions
+    past their own count. A position outside ``[0, table_size)`` cannot be checked at trace
+    time: its token's rotation is NaN, visibly wrong, never clamped to another position.
 
     Args:
       x_BxTxHxK: queries or keys, ``[batch, time, heads, head_dim]``, head_dim even.
       positions: None for ``0 .. T-1`` in every row; or integer positions ``[batch, time]``,
-        each in ``[0, T)``.
+        each in ``[0, table_size)``.
       theta: the base wavelength, > 0.
       scaling: None, or a ``Llama3RopeScaling`` rewriting the frequencies.
+      table_size: rows of the cos/sin table, positive; None for T. Only with ``positions``.
 
     Returns:
       An array of ``x``'s shape and dtype.
@@ -173,8 +176,13 @@ def apply_rope(
             f"x.shape={x_BxTxHxK.shape}"
         )
     t, k = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
+    if table_size is not None:
+        check_positive_int("table_size", table_size)
+        if positions is None:
+            raise ValueError(f"table_size={table_size} needs positions (None reads rows 0 .. T-1)")
+    rows = t if table_size is None else int(table_size)
     inv_freq = rope_frequencies(k, theta=theta, scaling=scaling)
-    angles_TxK2 = np.arange(t, dtype=np.float64)[:, None] * inv_freq[None, :]
+    angles_TxK2 = np.arange(rows, dtype=np.float64)[:, None] * inv_freq[None, :]
     if positions is None:
         cos = jnp.asarray(np.cos(angles_TxK2)[None, :, None, :], jnp.float32)
         sin = jnp.asarray(np.sin(angles_TxK2)[None, :, None, :], jnp.float32)
@@ -182,7 +190,7 @@ def apply_rope(
         positions_BxT = _check_per_token("positions", positions, x_BxTxHxK.shape[:2])
         # Rows of the same constant table as above (not fp32 angles computed from the
         # positions), so packing changes no token's rotation by even one ulp.
-        valid_BxT = (positions_BxT >= 0) & (positions_BxT < t)
+        valid_BxT = (positions_BxT >= 0) & (positions_BxT < rows)
         index_BxT = jnp.where(valid_BxT, positions_BxT, 0)
         cos, sin = (
             jnp.where(

@@ -8,6 +8,9 @@ checkpoints, refusing (and naming) only a field that would change what the model
 
 # Public names, re-exported one per line (``from rudax.models._x import a as a``), sorted as
 # isort sorts them, and listed again in __all__.
+from rudax.models._generate import generate as generate
+from rudax.models._llama import KVCache as KVCache
+from rudax.models._llama import LlamaForCausalLM as LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig as LlamaConfig
 
-__all__ = ["LlamaConfig"]
+__all__ = ["KVCache", "LlamaConfig", "LlamaForCausalLM", "generate"]

@@ -144,3 +144,19 @@ test_bad_llama3_scaling = rejects(
     high_freq_factor=4.0,
     original_max_position_embeddings=8192,
 )
+
+
+def test_table_size_rotates_positions_past_t_as_a_longer_row_does():
+    # A KV cache's new token sits at a position past its own count (T = 1).
+    x = jax.random.normal(jax.random.key(0), (2, 12, 3, 8))
+    full = rl.apply_rope(x)
+    pos = jnp.array([[11], [7]])
+    one = rl.apply_rope(x[jnp.arange(2), pos[:, 0]][:, None], positions=pos, table_size=12)
+    np.testing.assert_array_equal(one[:, 0], full[jnp.arange(2), pos[:, 0]])
+    # past the table: NaN, never another position's rotation
+    far = rl.apply_rope(x[:, :1], positions=jnp.array([[12], [0]]), table_size=12)
+    assert bool(jnp.all(jnp.isnan(far[0]))) and not bool(jnp.any(jnp.isnan(far[1])))
+    with pytest.raises(ValueError, match="table_size=4 needs positions"):
+        rl.apply_rope(x, table_size=4)
+    with pytest.raises(ValueError, match="table_size"):
+        rl.apply_rope(x, positions=jnp.zeros((2, 12), jnp.int32), table_size=0)

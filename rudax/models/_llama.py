@@ -1,0 +1,374 @@
+"""``LlamaForCausalLM``: a Llama-family decoder whose module paths are Hugging Face's names.
+
+``model.layers[3].self_attn.q_proj`` here is ``model.layers.3.self_attn.q_proj`` in a
+transformers checkpoint and in a peft adapter, so LoRA targets, adapter keys and weight names
+need no translation code: a leaf's Hugging Face name is its module path plus the leaf's
+name in a four-row table (``rudax.models._hf_names``).
+
+The arithmetic is transformers' Llama: pre-norm RMSNorm blocks, rotary positions (Llama 3's
+scaling), grouped-query attention through ``rudax.kernels.flash_attention`` (O(T) memory,
+packed rows, Mistral's window), a SwiGLU MLP, optional q/k/v (Qwen2) and o/MLP biases, tied
+or separate output head.
+
+A forward call takes token ids and returns logits. Generation passes a ``KVCache``
+(``init_cache``): the prompt is run once (prefill, causal attention over it, keys and values
+written to the cache), then one token per call (decode, attention over the cached slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+import rudax.kernels as rk
+import rudax.layers as rl
+from rudax._validation import float_dtype
+from rudax.layers._rope import apply_rope
+from rudax.models._llama_config import LlamaConfig
+
+__all__ = ["KVCache", "LlamaForCausalLM"]
+
+# transformers' initializer: N(0, initializer_range = 0.02) for every projection and table.
+_INIT = nnx.initializers.normal(0.02)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The keys and values of the tokens seen so far, in slots shared by every row.
+
+    Rows are left-padded to a common length, so slot ``s`` is the same step for every row;
+    ``valid`` says which slots hold a real token of a row (padding and unwritten slots do
+    not), ``positions`` the RoPE position of the token in each slot.
+
+    Attributes:
+      keys, values: one ``[B, S, G, K]`` array per layer (G key/value heads of K channels).
+      valid: ``[B, S]`` bool.
+      positions: ``[B, S]`` int32.
+      length: the number of slots written, a scalar int32 (the next token's slot).
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    valid: jax.Array
+    positions: jax.Array
+    length: jax.Array
+
+    @property
+    def size(self) -> int:
+        """S, the number of slots."""
+        return int(self.valid.shape[1])
+
+
+class LlamaAttention(nnx.Module):
+    """Grouped-query self-attention with RoPE: ``o_proj(attention(rope(q), rope(k), v))``."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.impl, self.interpret = "auto", False
+        assert c.head_dim is not None and c.num_key_value_heads is not None  # filled by config
+        h, g, k = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+        def linear(n_in: int, n_out: int, bias: bool) -> rl.Linear:
+            return rl.Linear(
+                n_in,
+                n_out,
+                use_bias=bias,
+                dtype=dtype,
+                param_dtype=c.param_dtype,
+                kernel_init=_INIT,
+                rngs=rngs,
+            )
+
+        self.q_proj = linear(c.hidden_size, h * k, c.qkv_bias)
+        self.k_proj = linear(c.hidden_size, g * k, c.qkv_bias)
+        self.v_proj = linear(c.hidden_size, g * k, c.qkv_bias)
+        self.o_proj = linear(h * k, c.hidden_size, c.o_bias)
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        *,
+        positions: jax.Array,
+        segment_ids: jax.Array | None,
+        cache: tuple[jax.Array, jax.Array] | None = None,
+        cache_state: KVCache | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        c = self.config
+        b, t, _ = x_BxTxD.shape
+        h, g, kd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        assert g is not None and kd is not None
+        q = self.q_proj(x_BxTxD).reshape(b, t, h, kd)
+        k = self.k_proj(x_BxTxD).reshape(b, t, g, kd)
+        v = self.v_proj(x_BxTxD).reshape(b, t, g, kd)
+        table = None if cache_state is None else cache_state.size
+        rope = lambda y: apply_rope(
+            y,
+            positions=positions,
+            theta=c.rope_theta,
+            scaling=c.rope_scaling,
+            table_size=table,
+        )
+        q, k = rope(q), rope(k)
+        attend = lambda q, k, v, **kw: rk.flash_attention(
+            q, k, v, impl=self.impl, interpret=self.interpret, **kw
+        )
+        new_cache = None
+        if cache is None or cache_state is None:
+            out = attend(q, k, v, causal=True, segment_ids=segment_ids, window=c.window)
+        else:
+            keys, values = cache
+            start = cache_state.length
+            keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
+            values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
+            new_cache = (keys, values)
+            if t > 1:
+                # Prefill: the cache is empty before these tokens (checked by the caller), so
+                # attention is over the new tokens alone, causal.
+                out = attend(q, k, v, causal=True, segment_ids=segment_ids, window=c.window)
+            else:
+                # Decode: one query over every slot; the slots it may see (real tokens up to
+                # its own, and within the window) are the kv segment 1, the rest 0.
+                seen = cache_state.valid
+                if c.sliding_window is not None:
+                    reach = positions[:, :1] - cache_state.positions < c.sliding_window
+                    seen = seen & reach
+                out = attend(
+                    q,
+                    keys.astype(q.dtype),
+                    values.astype(q.dtype),
+                    segment_ids=jnp.ones((b, 1), jnp.int32),
+                    kv_segment_ids=seen.astype(jnp.int32),
+                )
+        return self.o_proj(out.reshape(b, t, h * kd)), new_cache
+
+
+class LlamaMLP(nnx.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, rngs: nnx.Rngs):
+        c = config
+
+        def linear(n_in: int, n_out: int) -> rl.Linear:
+            return rl.Linear(
+                n_in,
+                n_out,
+                use_bias=c.mlp_bias,
+                dtype=dtype,
+                param_dtype=c.param_dtype,
+                kernel_init=_INIT,
+                rngs=rngs,
+            )
+
+        self.gate_proj = linear(c.hidden_size, c.intermediate_size)
+        self.up_proj = linear(c.hidden_size, c.intermediate_size)
+        self.down_proj = linear(c.intermediate_size, c.hidden_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(rk.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, rngs: nnx.Rngs):
+        c = config
+        norm = lambda: rl.RMSNorm(
+            c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, param_dtype=c.param_dtype
+        )
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(c, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = norm()
+        self.mlp = LlamaMLP(c, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, **attention: Any
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        a, cache = self.self_attn(self.input_layernorm(x), **attention)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class LlamaModel(nnx.Module):
+    """The embedding, the decoder layers and the final norm (transformers' ``model``)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: Any, rngs: nnx.Rngs):
+        c = config
+        self.embed_tokens = rl.Embedding(
+            c.vocab_size,
+            c.hidden_size,
+            dtype=dtype,
+            param_dtype=c.param_dtype,
+            embedding_init=_INIT,
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [LlamaDecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_hidden_layers)]
+        )
+        self.norm = rl.RMSNorm(
+            c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype, param_dtype=c.param_dtype
+        )
+
+
+class LlamaForCausalLM(nnx.Module):
+    """A Llama-family causal LM (Llama 2/3/3.1, Qwen2, Mistral, SmolLM) with HF's module names.
+
+    Args:
+      config: the architecture, a ``LlamaConfig``.
+      dtype: the compute dtype; None for the storage dtype (``config.param_dtype``), as
+        transformers computes. Norms, softmax and RoPE run in fp32 whatever it is.
+      rngs: draws the initial weights (N(0, 0.02), transformers' ``initializer_range``).
+
+    Calling the model on token ids ``[B, T]`` returns logits ``[B, T, V]`` in the compute
+    dtype. Keyword arguments: ``positions`` ``[B, T]`` (RoPE's positions; default 0 .. T-1),
+    ``segment_ids`` ``[B, T]`` (packed rows: tokens attend within their segment only), and
+    ``cache``, a ``KVCache`` from ``init_cache``: then the call returns ``(logits, cache)``
+    with the new tokens' keys and values written at ``cache.length``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from rudax.models import LlamaConfig, LlamaForCausalLM
+      >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+      ...                      num_hidden_layers=2, num_attention_heads=4,
+      ...                      num_key_value_heads=2, tie_word_embeddings=True)
+      >>> model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+      >>> model(jnp.array([[1, 2, 3]])).shape
+      (1, 3, 64)
+      >>> model.model.layers[1].self_attn.k_proj.kernel.shape   # [in, out]: HF's k_proj.weight.T
+      (32, 16)
+    """
+
+    def __init__(
+        self, config: LlamaConfig, *, dtype: DTypeLike | None = None, rngs: nnx.Rngs
+    ) -> None:
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a rudax.models.LlamaConfig, got {config!r}")
+        c = config
+        self.config = c
+        compute = float_dtype("dtype", dtype)
+        self.dtype = c.param_dtype if compute is None else compute
+        self.model = LlamaModel(c, dtype=self.dtype, rngs=rngs)
+        # lm_head keeps HF's [V, d] layout in an Embedding-shaped table, tied or not: the
+        # tied head holds the embedding's own Param (one leaf, as transformers ties them).
+        table = (
+            self.model.embed_tokens
+            if c.tie_word_embeddings
+            else rl.Embedding(
+                c.vocab_size,
+                c.hidden_size,
+                dtype=self.dtype,
+                param_dtype=c.param_dtype,
+                embedding_init=_INIT,
+                rngs=rngs,
+            )
+        )
+        self.lm_head = rl.TiedProjection(table, dtype=self.dtype)
+
+    def set_attention_impl(self, impl: str, *, interpret: bool = False) -> None:
+        """``flash_attention``'s ``impl`` (and ``interpret``) in every layer."""
+        for layer in self.model.layers:
+            layer.self_attn.impl, layer.self_attn.interpret = impl, interpret
+
+    def init_cache(self, batch_size: int, size: int, *, dtype: DTypeLike | None = None) -> KVCache:
+        """An empty ``KVCache`` of ``size`` slots for ``batch_size`` rows.
+
+        Args:
+          batch_size: B.
+          size: S, slots: the prompt's padded length plus the tokens to generate, at most
+            ``max_position_embeddings``... beyond which RoPE was never trained (allowed).
+          dtype: the cache's dtype; None for the compute dtype.
+        """
+        c = self.config
+        assert c.num_key_value_heads is not None and c.head_dim is not None
+        shape = (batch_size, size, c.num_key_value_heads, c.head_dim)
+        dt = self.dtype if dtype is None else jnp.dtype(dtype)
+        zeros = tuple(jnp.zeros(shape, dt) for _ in range(c.num_hidden_layers))
+        return KVCache(
+            keys=zeros,
+            values=tuple(jnp.zeros(shape, dt) for _ in range(c.num_hidden_layers)),
+            valid=jnp.zeros((batch_size, size), bool),
+            positions=jnp.zeros((batch_size, size), jnp.int32),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> Any:
+        h, cache = self.hidden_states(
+            input_ids, positions=positions, segment_ids=segment_ids, cache=cache
+        )
+        logits = self.lm_head(h)
+        return logits if cache is None else (logits, cache)
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """The final norm's output ``[B, T, d]`` (what ``lm_head`` projects), and the cache."""
+        ids = jnp.asarray(input_ids)
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(
+                f"input_ids must be integer token ids [batch, time], got "
+                f"shape={ids.shape}, dtype={ids.dtype}"
+            )
+        b, t = ids.shape
+        for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+            if value is not None and jnp.shape(value) != (b, t):
+                raise ValueError(
+                    f"{name} must be [batch, time] = {(b, t)}, got {name}.shape={jnp.shape(value)}"
+                )
+        if positions is None:
+            if cache is not None:
+                raise ValueError("with a cache, pass positions (each row's token positions)")
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = jnp.asarray(positions, jnp.int32)
+        x = self.model.embed_tokens(ids)
+        if cache is None:
+            for layer in self.model.layers:
+                x, _ = layer(x, positions=positions, segment_ids=segment_ids)
+            return self.model.norm(x), None
+        if cache.valid.shape[0] != b:
+            raise ValueError(f"cache holds {cache.valid.shape[0]} rows, input_ids {b}")
+        # The slots these tokens fill, and which of them hold real tokens (segment 1).
+        new_valid = jnp.ones((b, t), bool) if segment_ids is None else segment_ids != 0
+        start = cache.length
+        valid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, start))
+        slot_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, start))
+        state = dataclasses.replace(cache, valid=valid, positions=slot_positions)
+        keys, values = [], []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(
+                x,
+                positions=positions,
+                segment_ids=segment_ids,
+                cache=(cache.keys[i], cache.values[i]),
+                cache_state=state,
+            )
+            assert kv is not None  # a layer given a cache returns it
+            keys.append(kv[0])
+            values.append(kv[1])
+        new = KVCache(
+            keys=tuple(keys),
+            values=tuple(values),
+            valid=valid,
+            positions=slot_positions,
+            length=start + t,
+        )
+        return self.model.norm(x), new
