@@ -201,3 +201,27 @@ def test_bad_generate_arguments(prompts, kwargs, error, match):
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(error, match=match):
         generate(model, prompts, **kwargs)
+
+
+def test_an_adapter_saved_from_the_model_loads_in_peft_with_equal_logits(tmp_path):
+    import peft
+
+    ref = _hf_model("llama")
+    model = _ours(ref)
+    names = rl.apply_lora(
+        model, ["q_proj", "v_proj", "down_proj"], rank=4, alpha=8, rngs=nnx.Rngs(1)
+    )
+    # module paths are the peft names: no names= mapping needed
+    assert "model.layers.0.self_attn.q_proj" in names
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, rl.LoRALinear):  # adapters as training would leave them
+            node.lora_b.set_value(jax.random.normal(jax.random.key(7), node.lora_b.shape) * 0.05)
+    rl.save_adapter(model, tmp_path, base_model_name_or_path="local/tiny")
+    loaded = peft.PeftModel.from_pretrained(_hf_model("llama"), str(tmp_path)).eval()
+    ids = np.random.default_rng(2).integers(0, V, (2, 24))
+    with torch.no_grad():
+        want = loaded(torch.tensor(ids)).logits.numpy()
+        base = ref(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(model(jnp.asarray(ids)))
+    assert np.abs(want - base).max() > 1e-3  # the adapters change the output
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
