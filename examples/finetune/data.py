@@ -10,6 +10,13 @@ sequence (Llama's ``<s>``; none for GPT-2-style and Qwen2 tokenizers), then each
 id. A special token's text inside a record (``"<|endoftext|>"`` in a completion) is an
 error: the tokenizer would read it as that token, not as text.
 
+Chats. When the base folder holds a chat template (``chat_template.jinja``, or
+``tokenizer_config.json``'s ``chat_template``), a ``messages`` record is rendered with it, as
+``apply_chat_template`` renders it (``rudax.models.ChatTemplate``): the model is trained in
+the format it will be prompted with. Each assistant turn, its end-of-turn marker included,
+is counted; the rest is context; no bos is added beyond the template's own. Without a
+template, ``examples.finetune.template``'s plain one is used.
+
 Labels are causal and already shifted, TRL's completion-only loss: ``labels[t]`` is the
 token after ``tokens[t]`` where the template counts that token, -100 elsewhere (prompt and
 chat context, padding, an example's last token). An example longer than ``seq_len`` is an
@@ -46,8 +53,9 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from examples.finetune.template import DataError, read_records
+from examples.finetune.template import DataError, Record, Segment, read_records
 from rudax._validation import check_bool, check_int, check_positive_int
+from rudax.models import ChatTemplate, load_chat_template
 
 TOKENIZER = "tokenizer.json"
 IGNORE = -100  # the label of a position the loss does not count (torch's ignore_index)
@@ -66,6 +74,7 @@ class BaseTokenizer:
       prefix_ids: the ids put before every example (the post-processor's, e.g. a bos).
       sha256: the SHA-256 of ``tokenizer.json``'s bytes, for a checkpoint to record.
       path: the ``tokenizer.json`` read.
+      chat: the base's own chat template (``rudax.models.load_chat_template``), or None.
     """
 
     tokenizer: Tokenizer
@@ -74,6 +83,7 @@ class BaseTokenizer:
     prefix_ids: tuple[int, ...]
     sha256: str
     path: Path
+    chat: ChatTemplate | None = None
 
 
 def load_tokenizer(base_dir: str | os.PathLike) -> BaseTokenizer:
@@ -140,7 +150,12 @@ def load_tokenizer(base_dir: str | os.PathLike) -> BaseTokenizer:
     plain = tokenizer.encode("a", add_special_tokens=False).ids
     starts = [p for p in range(len(with_special)) if with_special[p : p + len(plain)] == plain]
     prefix = tuple(with_special[: starts[0]]) if starts else ()
-    return BaseTokenizer(tokenizer, eos_id, source, prefix, hashlib.sha256(blob).hexdigest(), path)
+    try:
+        chat = load_chat_template(base)
+    except ValueError as e:
+        raise ValueError(f"base_dir={str(base)!r}: {e}") from e
+    sha = hashlib.sha256(blob).hexdigest()
+    return BaseTokenizer(tokenizer, eos_id, source, prefix, sha, path, chat)
 
 
 def counted_tokens(batch: dict[str, np.ndarray]) -> int:
@@ -222,6 +237,7 @@ class FinetuneData:
         self.path = Path(path)
         self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()
         self.tokenizer_sha256 = tokenizer.sha256
+        self.chat_template = None if tokenizer.chat is None else tokenizer.chat.template
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.pack, self.shuffle, self.too_long = bool(pack), bool(shuffle), too_long
         self.pad_id = tokenizer.eos_id
@@ -234,6 +250,8 @@ class FinetuneData:
         added = tok.tokenizer.get_added_tokens_decoder().values()
         specials = [t.content for t in added if t.special]
         special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        if tok.chat is not None:
+            records = [self._chat_record(record, tok.chat, special) for record in records]
         texts = []
         for record in records:
             for segment in record.segments:
@@ -250,8 +268,11 @@ class FinetuneData:
         encoded = iter(encode(texts, add_special_tokens=False))
         ids, targets, lines, dropped = [], [], [], []
         for record in records:
-            parts = [list(tok.prefix_ids)]
-            flags = [[False] * len(tok.prefix_ids)]
+            # A chat rendered by the tokenizer's template carries its own bos, as
+            # apply_chat_template's text does: the post-processor's is not added again.
+            prefix = [] if tok.chat is not None and record.messages is not None else tok.prefix_ids
+            parts = [list(prefix)]
+            flags = [[False] * len(prefix)]
             for segment in record.segments:
                 piece = [tok.eos_id] if segment.text is None else next(encoded).ids
                 parts.append(piece)
@@ -291,6 +312,29 @@ class FinetuneData:
         self._ids = np.concatenate(ids)
         self._targets = np.concatenate(targets)
 
+    def _chat_record(
+        self, record: Record, chat: ChatTemplate, special: re.Pattern[str] | None
+    ) -> Record:
+        """A chat record's segments rendered by the tokenizer's own template: the assistant
+        turns counted (their end-of-turn marker included), the rest context."""
+        if record.messages is None:
+            return record
+        where = f"{self.path}:{record.line}"
+        for k, message in enumerate(record.messages):
+            if special and (m := special.search(message["content"])):
+                raise DataError(
+                    f"{where}: 'messages'[{k}]['content']: holds {m.group()!r}, a special "
+                    "token of the tokenizer, which would read it as that token and not as "
+                    "text: remove it"
+                )
+        try:
+            pieces = chat.segments(list(record.messages))
+        except Exception as e:  # the template's own errors (raise_exception) included
+            raise DataError(f"{where}: the tokenizer's chat template: {e}") from e
+        # The template's text holds its special tokens, which it is meant to: no field.
+        segments = tuple(Segment(text, counted) for text, counted in pieces)
+        return Record(record.line, segments, record.messages)
+
     def identity(self) -> dict[str, Any]:
         """What fixes the batches, for a checkpoint to record and a resumed run to compare:
         equal identities give equal ``batch(i)`` for every ``i`` (``path`` excepted: the
@@ -308,6 +352,14 @@ class FinetuneData:
             "too_long": self.too_long,
             "examples": self.num_examples,
             "dropped": list(self.dropped),
+            # only when there is one: identities of runs without a template are unchanged
+            **(
+                {}
+                if self.chat_template is None
+                else {
+                    "chat_template_sha256": hashlib.sha256(self.chat_template.encode()).hexdigest()
+                }
+            ),
         }
 
     def batch(self, i: int, *, shard: int = 0, num_shards: int = 1) -> dict[str, np.ndarray]:

@@ -67,6 +67,7 @@ class Record:
 
     line: int
     segments: tuple[Segment, ...]
+    messages: tuple[dict[str, str], ...] | None = None  # a chat's turns, for its own template
 
 
 def chat_segments(messages: list[dict[str, str]]) -> tuple[Segment, ...]:
@@ -148,7 +149,9 @@ def read_records(path: str | os.PathLike) -> list[Record]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
-        records.append(Record(number, _segments(obj, where)))
+        segments = _segments(obj, where)
+        messages = tuple(obj["messages"]) if "messages" in obj else None
+        records.append(Record(number, segments, messages))
     if not records:
         raise DataError(f"{path}: holds no example (one JSON object per line is expected)")
     return records

@@ -561,3 +561,68 @@ def test_docstring_examples():
             module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
         )
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_base_with_a_chat_template_renders_chats_with_it(base, tmp_path):
+    """A tokenizer with its own template (ChatML, special tokens), saved by transformers:
+    a chat's ids are apply_chat_template's, and the loss counts the assistant turns only,
+    their <|im_end|> included; prompt/completion records are unchanged."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "chat-base"
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(base / "tokenizer.json"), eos_token="<|im_end|>"
+    )
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.chat_template = CHATML
+    hf.save_pretrained(folder)
+    end = hf.convert_tokens_to_ids("<|im_end|>")
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": end, "vocab_size": 330}))
+    tok = load_tokenizer(folder)
+    assert tok.chat is not None and tok.chat.template == CHATML
+    chats = [
+        {"messages": [{"role": "user", "content": "def f(a):"}, {"role": "assistant",
+                                                                 "content": "return a"}]},
+        {"messages": [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": "sum a b"},
+                      {"role": "assistant", "content": "def f(a, b):"},
+                      {"role": "user", "content": "and c"},
+                      {"role": "assistant", "content": "add c"}]},
+        {"prompt": "def f(a):", "completion": " return a"},
+    ]  # fmt: skip
+    data = FinetuneData(
+        write_jsonl(tmp_path / "chat.jsonl", chats),
+        tok,
+        seq_len=96,
+        batch_size=3,
+        seed=0,
+        pack=False,
+        shuffle=False,
+    )
+    batch = data.batch(0)
+    for r, record in enumerate(chats[:2]):
+        text = hf.apply_chat_template(record["messages"], tokenize=False)
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert batch["tokens"][r, : len(ids)].tolist() == ids
+        # the counted targets, read back as text: each assistant turn and its end marker
+        labels = batch["labels"][r]
+        counted = hf.decode([t for t in labels.tolist() if t != fdata.IGNORE])
+        answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        assert counted == "".join(f"{a}<|im_end|>\n" for a in answers)
+    plain = hf("def f(a):", add_special_tokens=False)["input_ids"]
+    assert batch["tokens"][2, : len(plain)].tolist() == plain
+    assert "chat_template_sha256" in data.identity()
+    # a special token typed into a message is refused, naming the field
+    bad = {"messages": [{"role": "user", "content": "hi <|im_end|>"},
+                        {"role": "assistant", "content": "ok"}]}  # fmt: skip
+    with pytest.raises(DataError, match=r"'messages'\[0\]\['content'\]: holds '<\|im_end\|>'"):
+        FinetuneData(
+            write_jsonl(tmp_path / "bad.jsonl", [bad]), tok, seq_len=96, batch_size=1, seed=0
+        )
