@@ -55,7 +55,7 @@ import rudax.sharding as rs
 from examples.lm.config import UsageError
 from examples.lm.hf_config import CONFIG, config_from_hf, config_to_hf
 from examples.lm.model import GPT, Block, GPTConfig, shard
-from examples.lm.safetensors_file import SafetensorsFile
+from rudax.models import SafetensorsFile
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -181,7 +181,7 @@ def load_hf(
     """A ``GPT`` holding a Hugging Face ``LlamaForCausalLM`` (or Qwen2) checkpoint's weights.
 
     The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and each
-    parameter filled from its tensor, read alone (``examples.lm.safetensors_file``, into
+    parameter filled from its tensor, read alone (``rudax.models.SafetensorsFile``, into
     memory the device adopts on the CPU) and cast or transposed on the device, so the host
     holds at most two copies of one tensor beside the model, never a whole file. The GPT has
     separate q/k/v projections (``fused_qkv=False``), in which LoRA on one of them is exact,

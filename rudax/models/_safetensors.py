@@ -1,4 +1,5 @@
-"""A ``.safetensors`` file read one tensor at a time into memory JAX takes without a copy.
+"""``.safetensors`` files: read one tensor at a time into memory JAX takes without a copy,
+their headers checked as the format specifies; written atomically.
 
 ``safetensors.safe_open(..., framework="numpy").get_tensor`` returns a fresh array that JAX
 then copies again (``jnp.asarray`` copies; ``jax.device_put`` on the CPU aliases only a
@@ -10,7 +11,10 @@ copies it once to the device.
 The format (https://github.com/huggingface/safetensors, "Format"): 8 bytes, a little-endian
 u64 ``N``; ``N`` bytes of JSON mapping each name to ``{"dtype", "shape", "data_offsets":
 [begin, end]}`` (offsets into the bytes after the header), plus an optional
-``"__metadata__"``; then the data, little-endian, C order.
+``"__metadata__"`` (string to string); then the data, little-endian, C order. The byte
+ranges, in order, tile the data section exactly: each starts where the previous one ends, the
+first at 0, the last at the file's end (the safetensors library refuses anything else, and
+so does this reader: overlapping ranges would read one tensor's bytes as another's).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +87,37 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise ValueError(f"{self.path}: the header is {type(header).__name__}, not an object")
         self._data_start = 8 + n
-        self.metadata = header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None)
+        if metadata is not None and not (
+            isinstance(metadata, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        ):
+            raise ValueError(
+                f"{self.path}: __metadata__ must map strings to strings, got {metadata!r}"
+            )
+        self.metadata: dict[str, str] | None = metadata
         self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+        ranges = []
         for name, entry in header.items():
             self._entries[name] = self._checked(name, entry, size - self._data_start)
+            begin, end = (int(o) for o in entry["data_offsets"])
+            ranges.append((begin, end, name))
+        # The ranges must tile the data section: sorted, each from the previous one's end.
+        at, previous = 0, None
+        for begin, end, name in sorted(ranges):
+            if begin != at:
+                what = "overlaps" if begin < at else "leaves a gap after"
+                other = f"tensor {previous!r}" if previous is not None else "the start"
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} data_offsets [{begin}, {end}] {what} "
+                    f"{other} (which ends at {at})"
+                )
+            at, previous = end, name
+        if at != size - self._data_start:
+            raise ValueError(
+                f"{self.path}: the tensors' data ends at byte {at} of {size - self._data_start} "
+                "data bytes: the file has trailing bytes no tensor owns"
+            )
 
     def _checked(self, name: str, entry: Any, data_bytes: int) -> tuple[np.dtype, tuple, int]:
         where = f"{self.path}: tensor {name!r}"
@@ -119,9 +151,76 @@ class SafetensorsFile:
         out = raw[skip : skip + nbytes]
         with open(self.path, "rb") as f:
             f.seek(self._data_start + begin)
-            got = f.readinto(memoryview(out))
+            got = f.readinto(out.data)
         if got != nbytes:  # the file shrank since its header was read
             raise ValueError(f"{self.path}: tensor {name!r}: read {got} of its {nbytes} bytes")
         tensor = out.view(dtype).reshape(shape)
         tensor.flags.writeable = False
         return tensor
+
+
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def save_safetensors(
+    path: str | os.PathLike,
+    tensors: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Writes ``tensors`` as a ``.safetensors`` file that the safetensors library reads.
+
+    Tensors in sorted name order, their ranges tiling the data; the header padded with
+    spaces to a multiple of 8 bytes, as the library writes it. The file is written beside
+    ``path`` and renamed onto it: an interrupted write never leaves a partial file there.
+
+    Args:
+      path: the file to write (replaced if it exists).
+      tensors: name -> array (NumPy or JAX, any dtype of ``DTYPES``); names must not start
+        with ``"__"``.
+      metadata: string -> string, stored as ``__metadata__``; None for none.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> from rudax.models import SafetensorsFile, save_safetensors
+      >>> path = tempfile.mkdtemp() + "/t.safetensors"
+      >>> save_safetensors(path, {"b": np.ones(2, np.float16), "a": np.arange(3)})
+      >>> f = SafetensorsFile(path)
+      >>> f.keys(), f.get_tensor("b").dtype
+      (['a', 'b'], dtype('float16'))
+    """
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError(f"metadata must map strings to strings, got {dict(metadata)!r}")
+        header["__metadata__"] = dict(metadata)
+    arrays = []
+    offset = 0
+    for name in sorted(tensors):
+        if not isinstance(name, str) or name.startswith("__"):
+            raise ValueError(f"tensor name {name!r}: a string not starting with '__' is needed")
+        array = np.ascontiguousarray(np.asarray(tensors[name]))
+        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        if dtype not in _NAMES:
+            raise TypeError(f"tensor {name!r}: dtype {array.dtype} has no safetensors name")
+        array = array.astype(dtype, copy=False)
+        header[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+        arrays.append(array)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for array in arrays:
+                f.write(array.reshape(-1).view(np.uint8).data)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
