@@ -3,7 +3,10 @@
 ``LlamaConfig`` is the architecture in Hugging Face's field names: ``from_hf`` reads a
 ``config.json`` as transformers 4.4x and 5.x write it for Llama, Qwen2 and Mistral
 checkpoints, refusing (and naming) only a field that would change what the model computes;
-``to_hf`` writes one both versions read.
+``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the model, with
+transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and write checkpoint
+folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
+KV cache, and ``ChatTemplate`` renders a tokenizer's own chat template.
 """
 
 # Public names, re-exported one per line (``from rudax.models._x import a as a``), sorted as
@@ -11,15 +14,23 @@ checkpoints, refusing (and naming) only a field that would change what the model
 from rudax.models._chat import ChatTemplate as ChatTemplate
 from rudax.models._chat import load_chat_template as load_chat_template
 from rudax.models._generate import generate as generate
+from rudax.models._hf_files import from_pretrained as from_pretrained
+from rudax.models._hf_files import save_pretrained as save_pretrained
 from rudax.models._llama import KVCache as KVCache
 from rudax.models._llama import LlamaForCausalLM as LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig as LlamaConfig
+from rudax.models._safetensors import SafetensorsFile as SafetensorsFile
+from rudax.models._safetensors import save_safetensors as save_safetensors
 
 __all__ = [
     "ChatTemplate",
     "KVCache",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "SafetensorsFile",
+    "from_pretrained",
     "generate",
     "load_chat_template",
+    "save_pretrained",
+    "save_safetensors",
 ]

@@ -1,0 +1,256 @@
+"""Hugging Face checkpoint folders: ``from_pretrained`` and ``save_pretrained``.
+
+Reading follows transformers' own precedence and refuses what it refuses:
+
+* ``model.safetensors`` when present, else ``model.safetensors.index.json`` and its shards
+  (transformers reads the single file first, so a stale index beside it is never read);
+* a shard the index names must lie inside the folder, symlinks resolved (an index naming
+  ``../outside.safetensors`` is refused, as transformers refuses it);
+* every tensor is read once, one at a time, and cast to the parameter's dtype; nothing the
+  model does not read may be in the files (a checkpoint of another shape or family).
+
+Writing puts every file ``from_pretrained`` needs into the folder (``config.json``,
+``model.safetensors``, ``generation_config.json``) and copies the tokenizer's files and chat
+template through from a source folder, each written beside its final name and renamed, so an
+interrupted save never leaves a half-written file under a real name. Parameters keep their
+storage dtype (a bf16 base is written as bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+import rudax.layers as rl
+from rudax.models import _llama
+from rudax.models._hf_names import load_state, state_dict
+from rudax.models._llama import LlamaForCausalLM
+from rudax.models._llama_config import LlamaConfig
+from rudax.models._safetensors import SafetensorsFile, save_safetensors
+
+__all__ = ["TOKENIZER_FILES", "from_pretrained", "save_pretrained"]
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+GENERATION = "generation_config.json"
+# What transformers' tokenizers write and read back (AutoTokenizer.from_pretrained), copied
+# through as they are: the tokenizer, its config (special tokens, chat template in 4.x), the
+# 5.x chat template file, and the legacy special-tokens map.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from e
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e})") from e
+
+
+def _inside(directory: Path, name: Any, index: Path) -> Path:
+    """The shard ``name`` an index lists, refused unless it resolves inside ``directory``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{index}: weight_map holds {name!r}, not a file name")
+    path = (directory / name).resolve()
+    if not path.is_relative_to(directory.resolve()):
+        raise ValueError(
+            f"{index}: names {name!r}, which resolves to {path}, outside {directory}: refused"
+        )
+    if not path.is_file():
+        raise ValueError(f"{index}: lists {name}, which is not a file in {directory}")
+    return path
+
+
+def open_tensors(directory: Path) -> dict[str, SafetensorsFile]:
+    """{tensor name: the safetensors file holding it} of a checkpoint folder."""
+    single, index = directory / WEIGHTS, directory / INDEX
+    weight_map: dict[str, Any] | None = None
+    if single.is_file():
+        paths = [single]
+    elif index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map of tensor names to files")
+        paths = sorted({_inside(directory, name, index) for name in weight_map.values()})
+    else:
+        found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        bins = [n for n in found if n.endswith(".bin")]
+        hint = f" (it holds {bins}: rudax reads safetensors only)" if bins else ""
+        if single.exists() and not single.is_file():
+            hint = f" ({WEIGHTS} is not a regular file)"
+        raise ValueError(f"{directory}: no {WEIGHTS} or {INDEX}{hint}")
+    where: dict[str, SafetensorsFile] = {}
+    for path in paths:
+        handle = SafetensorsFile(path)
+        for key in handle.keys():
+            if key in where:
+                raise ValueError(f"{directory}: tensor {key} is in two files")
+            if weight_map is not None:
+                listed = weight_map.get(key)
+                if listed is None or (directory / str(listed)).resolve() != path:
+                    raise ValueError(f"{path}: holds {key}, which {INDEX} puts in {listed!r}")
+            where[key] = handle
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(where))
+        if absent:
+            raise ValueError(
+                f"{index}: lists {absent[0]} in {weight_map[absent[0]]}, which lacks it"
+            )
+    return where
+
+
+def from_pretrained(
+    directory: str | os.PathLike,
+    *,
+    param_dtype: Any = None,
+    dtype: Any = None,
+) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` read from a Hugging Face checkpoint folder.
+
+    Args:
+      directory: a folder with ``config.json`` and ``model.safetensors`` (or a sharded
+        ``model.safetensors.index.json`` and its shards), as transformers 4.4x and 5.x write.
+      param_dtype: the storage dtype; None for the checkpoint's.
+      dtype: the compute dtype; None for the storage dtype.
+
+    Returns:
+      The model; its ``config`` keeps the checkpoint's token ids. The weights are read
+      tensor by tensor into a model built without initializing anything.
+
+    Example:
+      >>> import tempfile
+      >>> from flax import nnx
+      >>> from rudax.models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained
+      >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+      ...                      num_hidden_layers=1, num_attention_heads=4)
+      >>> folder = tempfile.mkdtemp()
+      >>> save_pretrained(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), folder)
+      >>> from_pretrained(folder).config == config
+      True
+    """
+    folder = Path(directory)
+    if not (folder / CONFIG).is_file():
+        raise ValueError(f"{folder}: no {CONFIG} (not a Hugging Face checkpoint folder)")
+    hf = _read_json(folder / CONFIG)
+    try:
+        config = LlamaConfig.from_hf(hf, param_dtype=param_dtype)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{folder}: {e}") from e
+    where = open_tensors(folder)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    load_state(
+        model,
+        lambda name: where[name].get_tensor(name),
+        set(where),
+        where=str(folder),
+    )
+    return model
+
+
+def save_pretrained(
+    model: LlamaForCausalLM,
+    directory: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+) -> None:
+    """Writes ``model`` as a checkpoint folder transformers' ``from_pretrained`` loads.
+
+    ``config.json`` (``LlamaConfig.to_hf``), ``model.safetensors`` (each parameter in its
+    storage dtype, in torch's layout, a tied head once), ``generation_config.json`` (the
+    config's bos/eos/pad ids), and, given ``tokenizer``, that folder's tokenizer files and
+    chat template (``TOKENIZER_FILES``) copied through unchanged.
+
+    Args:
+      model: a ``LlamaForCausalLM`` of plain layers: fold LoRA adapters in first
+        (``rudax.layers.merge_lora``), or save them alone (``rudax.layers.save_adapter``).
+      directory: the folder; created if need be. One that holds a sharded checkpoint
+        (``model.safetensors.index.json``) is refused: transformers would read the new
+        ``model.safetensors``, other readers the old shards.
+      tokenizer: a folder holding a tokenizer (the base checkpoint's, say), or None.
+    """
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"model must be a rudax.models.LlamaForCausalLM, got {model!r}")
+    folder = Path(directory)
+    if (folder / INDEX).exists():
+        raise ValueError(
+            f"{folder} holds a sharded checkpoint ({INDEX}) beside which a new {WEIGHTS} would "
+            "be ambiguous: remove it, or save elsewhere"
+        )
+    source = None if tokenizer is None else Path(tokenizer)
+    if source is not None and not source.is_dir():
+        raise ValueError(f"tokenizer={str(tokenizer)!r} is not a folder")
+    odd = [
+        (path, node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Module) and not isinstance(node, _PLAIN)
+    ]
+    if odd:
+        path, node = min(odd, key=lambda item: len(item[0]))
+        raise TypeError(
+            f"save_pretrained: {'.'.join(map(str, path))} is a {type(node).__name__}, which "
+            "has no Hugging Face form: fold LoRA adapters into the base with "
+            "rudax.layers.merge_lora(model) first (or save them alone with "
+            "rudax.layers.save_adapter)"
+        )
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in state_dict(model).items():
+        if not isinstance(value, jax.Array | np.ndarray):
+            raise TypeError(f"save_pretrained: {name} holds {type(value).__name__}, no array")
+        tensors[name] = np.asarray(value)
+    config = model.config
+    generation = {
+        k: v
+        for k, v in config.to_hf().items()
+        if k in ("bos_token_id", "eos_token_id", "pad_token_id") and v is not None
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(folder / WEIGHTS, tensors, metadata={"format": "pt"})
+    _write_text(folder / CONFIG, json.dumps(config.to_hf(), indent=2) + "\n")
+    _write_text(folder / GENERATION, json.dumps(generation, indent=2) + "\n")
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file() and (source / name).resolve() != (folder / name).resolve():
+                partial = folder / (name + ".partial")
+                shutil.copyfile(source / name, partial)
+                os.replace(partial, folder / name)
+
+
+# The modules a checkpoint file can express: anything else (LoRALinear, NF4Linear, a sharded
+# module) has parameters with no Hugging Face name.
+_PLAIN = (
+    LlamaForCausalLM,
+    _llama.LlamaModel,
+    _llama.LlamaDecoderLayer,
+    _llama.LlamaAttention,
+    _llama.LlamaMLP,
+    nnx.List,
+    rl.Linear,
+    rl.RMSNorm,
+    rl.Embedding,
+    rl.TiedProjection,
+)
+
+
+def _write_text(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
