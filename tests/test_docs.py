@@ -64,6 +64,17 @@ def test_readme_attention_example_runs():
     assert namespace["y"].shape == (2, 1024, 512)
 
 
+def test_readme_models_example_runs():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Models: Hugging Face checkpoints in, text out\n", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert len(out) == 2 and all(1 <= len(row) <= 16 for row in out)
+    assert all(row[-1] == 2 or len(row) == 16 for row in out)
+
+
 def test_readme_main_command_is_the_lm_trainer():
     readme = (ROOT / "README.md").read_text()
     assert 'python -m pip install -e ".[examples]" && python -m examples.lm.train\n' in readme
