@@ -55,7 +55,7 @@ import rudax.sharding as rs
 from examples.lm.config import UsageError
 from examples.lm.hf_config import CONFIG, config_from_hf, config_to_hf
 from examples.lm.model import GPT, Block, GPTConfig, shard
-from rudax.models import SafetensorsFile
+from rudax.models import open_checkpoint
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -135,41 +135,6 @@ def _where(path: tuple[Any, ...]) -> str:
 # ------------------------------------------------------------------------------- load
 
 
-def _open_tensors(directory: Path) -> dict[str, SafetensorsFile]:
-    """{tensor name: the safetensors file holding it}, single file or sharded."""
-    index, single = directory / INDEX, directory / WEIGHTS
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no weight_map dict")
-        files = sorted(set(weight_map.values()))
-    elif single.is_file():
-        weight_map, files = None, [WEIGHTS]
-    else:
-        bins = sorted(p.name for p in directory.glob("*.bin"))
-        hint = f" (it holds {bins}: load_hf reads safetensors only)" if bins else ""
-        raise ValueError(f"{directory}: no {WEIGHTS} or {INDEX}{hint}")
-    where = {}
-    for name in files:
-        if not (directory / name).is_file():
-            raise ValueError(f"{index}: lists {name}, which is not in {directory}")
-        handle = SafetensorsFile(directory / name)
-        for key in handle.keys():
-            if weight_map is not None and weight_map.get(key) != name:
-                raise ValueError(
-                    f"{directory / name}: holds {key}, which {INDEX} puts in "
-                    f"{weight_map.get(key)!r}"
-                )
-            where[key] = handle
-    if weight_map is not None:
-        absent = sorted(set(weight_map) - set(where))
-        if absent:
-            raise ValueError(
-                f"{index}: lists {absent[0]} in {weight_map[absent[0]]}, which lacks it"
-            )
-    return where
-
-
 def load_hf(
     directory: str | os.PathLike,
     *,
@@ -245,7 +210,7 @@ def load_hf(
     # Projections to quantize: module path -> the names of its weight and (Qwen2) bias.
     packed = {} if quantize is None else _projections(wanted)
     quantized: dict[tuple[Any, ...], dict[str, Any]] = {path: {} for path in packed}
-    files = _open_tensors(directory)
+    files = open_checkpoint(directory)
     missing = [name for name in wanted if name not in files]
     if missing:
         raise ValueError(

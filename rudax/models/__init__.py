@@ -15,6 +15,7 @@ from rudax.models._chat import ChatTemplate as ChatTemplate
 from rudax.models._chat import load_chat_template as load_chat_template
 from rudax.models._generate import generate as generate
 from rudax.models._hf_files import from_pretrained as from_pretrained
+from rudax.models._hf_files import open_checkpoint as open_checkpoint
 from rudax.models._hf_files import save_pretrained as save_pretrained
 from rudax.models._llama import KVCache as KVCache
 from rudax.models._llama import LlamaForCausalLM as LlamaForCausalLM
@@ -31,6 +32,7 @@ __all__ = [
     "from_pretrained",
     "generate",
     "load_chat_template",
+    "open_checkpoint",
     "save_pretrained",
     "save_safetensors",
 ]

@@ -80,8 +80,20 @@ def _inside(directory: Path, name: Any, index: Path) -> Path:
     return path
 
 
-def open_tensors(directory: Path) -> dict[str, SafetensorsFile]:
-    """{tensor name: the safetensors file holding it} of a checkpoint folder."""
+def open_checkpoint(directory: str | os.PathLike) -> dict[str, SafetensorsFile]:
+    """{tensor name: the safetensors file holding it} of a checkpoint folder, as transformers
+    finds them (module docstring): headers read and checked, no tensor read yet.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> from rudax.models import open_checkpoint, save_safetensors
+      >>> folder = tempfile.mkdtemp()
+      >>> save_safetensors(folder + "/model.safetensors", {"w": np.ones(2, np.float32)})
+      >>> files = open_checkpoint(folder)
+      >>> list(files), files["w"].get_tensor("w").tolist()
+      (['w'], [1.0, 1.0])
+    """
+    directory = Path(directory)
     single, index = directory / WEIGHTS, directory / INDEX
     weight_map: dict[str, Any] | None = None
     if single.is_file():
@@ -155,7 +167,7 @@ def from_pretrained(
         config = LlamaConfig.from_hf(hf, param_dtype=param_dtype)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{folder}: {e}") from e
-    where = open_tensors(folder)
+    where = open_checkpoint(folder)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     load_state(
         model,

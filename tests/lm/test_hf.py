@@ -470,13 +470,13 @@ def test_bad_files_are_named(saved, tmp_path):
         load_hf(tmp_path)
     (directory / "model.safetensors").rename(directory / "pytorch_model.bin")
     with pytest.raises(
-        ValueError, match=r"\['pytorch_model.bin'\]: load_hf reads safetensors only"
+        ValueError, match=r"\['pytorch_model.bin'\]: rudax reads safetensors only"
     ):
         load_hf(directory)
     (directory / "pytorch_model.bin").rename(directory / "model-1.safetensors")
     index = {"weight_map": {"model.embed_tokens.weight": "model-2.safetensors"}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"lists model-2.safetensors, which is not in"):
+    with pytest.raises(ValueError, match=r"lists model-2.safetensors, which is not a file in"):
         load_hf(directory)
     (directory / "model-1.safetensors").rename(directory / "model-2.safetensors")
     with pytest.raises(
