@@ -75,6 +75,26 @@ def test_readme_models_example_runs():
     assert all(row[-1] == 2 or len(row) == 16 for row in out)
 
 
+def test_readme_finetuning_snippet_runs_on_a_folder_with_rudax_imports_only(tmp_path, monkeypatch):
+    from flax import nnx
+
+    from rudax.models import LlamaConfig, LlamaForCausalLM, save_pretrained
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Fine-tune a Hugging Face model\n", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    imports = re.findall(r"^(?:from|import) (\S+)", block, flags=re.M)
+    assert imports and all(name.split(".")[0] in ("rudax", "flax") for name in imports)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4,
+    )  # fmt: skip
+    save_pretrained(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), tmp_path / "hf" / "base")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    assert (tmp_path / "adapters" / "mine" / "adapter_model.safetensors").is_file()
+
+
 def test_readme_main_command_is_the_lm_trainer():
     readme = (ROOT / "README.md").read_text()
     assert 'python -m pip install -e ".[examples]" && python -m examples.lm.train\n' in readme
