@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+import rudax.kernels as rk
 import rudax.layers as rl
 from rudax.models import _llama
 from rudax.models._hf_names import load_state, state_dict
@@ -130,11 +131,21 @@ def open_checkpoint(directory: str | os.PathLike) -> dict[str, SafetensorsFile]:
     return where
 
 
+# Formats from_pretrained quantizes the projections to as it reads them.
+QUANTIZE = (None, "nf4")
+# The decoder layers' projections: what QLoRA quantizes (the embedding, norms and head stay).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Elements quantized per step: small and of one size, so each step's temporaries are freed
+# and reused (examples/lm/hf.py measured the host peak with this chunk).
+_QUANTIZE_CHUNK = 2**16
+
+
 def from_pretrained(
     directory: str | os.PathLike,
     *,
     param_dtype: Any = None,
     dtype: Any = None,
+    quantize: str | None = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` read from a Hugging Face checkpoint folder.
 
@@ -143,6 +154,11 @@ def from_pretrained(
         ``model.safetensors.index.json`` and its shards), as transformers 4.4x and 5.x write.
       param_dtype: the storage dtype; None for the checkpoint's.
       dtype: the compute dtype; None for the storage dtype.
+      quantize: None, or ``"nf4"``: each decoder projection (``PROJECTIONS``) becomes a
+        frozen ``rudax.layers.NF4Linear`` as it is read (rounded to ``param_dtype`` first, then
+        ``rudax.kernels.nf4_quantize`` with double quantization in blocks of 64, a chunk at a
+        time), QLoRA's base: the whole model in ``param_dtype`` never exists. The embedding,
+        norms and head stay in ``param_dtype``, as bitsandbytes leaves them.
 
     Returns:
       The model; its ``config`` keeps the checkpoint's token ids. The weights are read
@@ -167,15 +183,55 @@ def from_pretrained(
         config = LlamaConfig.from_hf(hf, param_dtype=param_dtype)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{folder}: {e}") from e
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize=}")
     where = open_checkpoint(folder)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    load_state(
-        model,
-        lambda name: where[name].get_tensor(name),
-        set(where),
-        where=str(folder),
-    )
+    names = set(where)
+    if quantize == "nf4":
+        names -= _quantize_projections(model, where, folder)
+    load_state(model, lambda name: where[name].get_tensor(name), names, where=str(folder))
     return model
+
+
+def _quantize_projections(
+    model: LlamaForCausalLM, where: dict[str, SafetensorsFile], folder: Path
+) -> set[str]:
+    """Replaces each decoder projection by an NF4Linear of its tensor; the names it read."""
+    used: set[str] = set()
+    dtype = model.config.param_dtype
+    for i, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for attr in PROJECTIONS:
+                linear = getattr(parent, attr, None)
+                if not isinstance(linear, rl.Linear):
+                    continue
+                prefix = f"model.layers.{i}.{'self_attn' if parent is layer.self_attn else 'mlp'}"
+                name = f"{prefix}.{attr}.weight"
+                if name not in where:
+                    raise ValueError(f"{folder}: no tensor {name!r}")
+                tensor = where[name].get_tensor(name)
+                if tensor.shape != (linear.out_features, linear.in_features):
+                    raise ValueError(
+                        f"{folder}: {name} has shape {tensor.shape}, the model's "
+                        f"{(linear.out_features, linear.in_features)}"
+                    )
+                try:
+                    # Rounded to the storage dtype first, as transformers loads a checkpoint
+                    # in its dtype before bitsandbytes quantizes it; waited for, so that the
+                    # chunks' device copies do not outlive the step.
+                    q = rk.nf4_quantize(tensor.astype(dtype), chunk_size=_QUANTIZE_CHUNK)
+                    q = jax.block_until_ready(q)
+                except ValueError as e:  # a size NF4's blocks do not divide
+                    raise ValueError(f"{folder}: {name} cannot be quantized to NF4 ({e})") from e
+                bias = None
+                if linear.bias is not None:
+                    bias_name = f"{prefix}.{attr}.bias"
+                    bias = np.asarray(where[bias_name].get_tensor(bias_name)).astype(dtype)
+                    used.add(bias_name)
+                setattr(parent, attr, rl.NF4Linear(q, bias, dtype=linear.dtype))
+                used.add(name)
+    return used
 
 
 def save_pretrained(

@@ -193,3 +193,28 @@ def test_a_refused_save_writes_nothing(tmp_path):
         ref.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
         save_pretrained(plain, tmp_path / "sharded")
     assert isinstance(plain, LlamaForCausalLM)
+
+
+def test_nf4_loading_quantizes_the_projections_as_nf4_quantize_does(tmp_path):
+    import rudax.kernels as rk
+
+    ref = _hf(tie=False, dtype=torch.bfloat16)
+    ref.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, quantize="nf4")
+    q = model.model.layers[1].mlp.down_proj
+    assert isinstance(q, rl.NF4Linear) and isinstance(model.model.norm, rl.RMSNorm)
+    weight = ref.model.layers[1].mlp.down_proj.weight.detach()
+    want = rk.nf4_quantize(jnp.asarray(weight.float().numpy(), jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(q.codes[...]), np.asarray(want.codes))
+    # the unquantized parts are the checkpoint's; the output is close to the bf16 model's
+    plain = from_pretrained(tmp_path)
+    np.testing.assert_array_equal(
+        np.asarray(model.lm_head.embedding[...]), np.asarray(plain.lm_head.embedding[...])
+    )
+    a, b = (np.asarray(m(jnp.asarray(IDS)), np.float32) for m in (model, plain))
+    assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
+    # and QLoRA adapters train on top: the base is frozen, the NF4 layers stay NF4
+    rl.apply_lora(model, ["q_proj", "down_proj"], rank=2, alpha=4, rngs=nnx.Rngs(0))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, rl.LoRALinear)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        from_pretrained(tmp_path, quantize="int8")
