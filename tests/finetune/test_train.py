@@ -328,3 +328,43 @@ def test_bad_data_is_refused_by_line_and_field(base_dir, data_files, tmp_path, c
             ]
         )
     assert "--seq-len 65: the base has 64 positions" in capsys.readouterr().err
+
+
+def test_qlora_trains_chats_in_the_bases_own_chat_template(base_dir, tmp_path):
+    """A base whose tokenizer folder has a chat template: the program trains `messages`
+    records rendered by it (the data reader's ids are the template's), and learns them."""
+    import shutil
+
+    from examples.finetune.data import FinetuneData, load_tokenizer
+    from examples.lm.tokenizer import EOT
+    from tests.finetune.conftest import examples as pairs
+
+    base = tmp_path / "chat-base"
+    shutil.copytree(base_dir, base)
+    template = (
+        "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+    )
+    (base / "chat_template.jinja").write_text(template)
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOT}))
+    rows = [
+        {"messages": [{"role": "user", "content": r["prompt"]},
+                      {"role": "assistant", "content": r["completion"]}]}
+        for r in pairs(112, seed=1)
+    ]  # fmt: skip
+    train = tmp_path / "train.jsonl"
+    val = tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:96]))
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows[96:]))
+    tok = load_tokenizer(base)
+    data = FinetuneData(val, tok, seq_len=64, batch_size=1, seed=0, pack=False, shuffle=False)
+    first = data.batch(0)["tokens"][0]
+    text = tok.chat.render(rows[96]["messages"])
+    ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert first[: len(ids)].tolist() == ids  # the template's text, its eos included
+    run_dir = tmp_path / "run"
+    main(_flags(base, (train, val), run_dir, "--param-dtype", "float32"))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["val_loss"] for r in metrics if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 0.1, evals
