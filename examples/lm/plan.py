@@ -141,49 +141,6 @@ def nbytes(x: Any) -> int:
     return math.prod(x.shape) * x.dtype.itemsize
 
 
-def per_device(tree: Any, fsdp: int = 1) -> int:
-    """Bytes of ``tree``'s arrays on each device, laid out as ``examples.lm.step.placement``:
-    over ``fsdp > 1`` devices each non-scalar leaf is split into ``ceil(size / fsdp)``
-    elements (``ShardedParameter``'s padded flat slices); otherwise every leaf is whole."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        size = math.prod(leaf.shape)
-        if fsdp > 1 and len(leaf.shape) >= 1:
-            size = -(-size // fsdp)
-        total += size * leaf.dtype.itemsize  # a PRNG key's dtype has one too
-    return total
-
-
-def saved_for_backward(loss: Callable[..., Any], params: Any, *args: Any) -> list[Any]:
-    """What ``jax.vjp(loss, params)`` keeps for the backward, as ShapeDtypeStructs.
-
-    Traced abstractly (``jax.make_jaxpr``), so nothing is computed. The backward closure's
-    leaves are the residuals; those that are the inputs themselves (a weight used as is) or
-    constants cost nothing more and are left out, and one array kept twice counts once.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> w = jax.ShapeDtypeStruct((4, 3), jnp.float32)
-      >>> x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
-      >>> [r.shape for r in saved_for_backward(lambda w, x: jnp.sin(x @ w).sum(), w, x)]
-      [(8, 3)]
-      >>> saved_for_backward(lambda w, x: (x @ w).sum(), w, x)  # x itself: nothing more
-      []
-    """
-
-    def backward(p: Any, *a: Any) -> Any:
-        return jax.vjp(lambda q: loss(q, *a), p)[1]
-
-    jaxpr = jax.make_jaxpr(backward)(params, *args).jaxpr
-    free = {id(v) for v in (*jaxpr.invars, *jaxpr.constvars)}
-    seen: dict[int, Any] = {}
-    for v in jaxpr.outvars:
-        if hasattr(v, "val") or id(v) in free:  # a literal, an input, a constant
-            continue
-        seen.setdefault(id(v), jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
-    return list(seen.values())
-
-
 # ------------------------------------------------------------------------------- plans
 
 
@@ -239,7 +196,7 @@ def plan_pretraining(
             )
             batch = jax.ShapeDtypeStruct((rows, c.seq_len + 1), jnp.int32)
             loss = lambda p, b: loss_sum(nnx.merge(graphdef, p, rest), b)[0]
-            return sum(map(nbytes, saved_for_backward(loss, params, batch)))
+            return sum(map(nbytes, rl.saved_for_backward(loss, params, batch)))
         # The trainer's own sharded loss (shard_map over the mesh): under FSDP what is kept
         # is each device's shard of the parameters, or the gathered weights, as the step
         # really keeps them. shard_map's residuals come out stacked over the devices.
@@ -248,14 +205,14 @@ def plan_pretraining(
         )
         batch = jax.ShapeDtypeStruct((args.batch_size, c.seq_len + 1), jnp.int32)
         loss = make_steps(graphdef, rest, None, mesh=mesh_obj, donate=False).forward
-        return sum(map(nbytes, saved_for_backward(loss, params, batch))) // devices
+        return sum(map(nbytes, rl.saved_for_backward(loss, params, batch))) // devices
 
-    fp32_local = per_device(jax.tree.map(_as_fp32, params), fsdp)
+    fp32_local = rs.bytes_per_device(jax.tree.map(_as_fp32, params), fsdp)
     state = {
-        "params": per_device(params, fsdp),
-        "masters": per_device(masters, fsdp),
-        "optimizer": per_device(opt_state, fsdp) - per_device(masters, fsdp),
-        "accumulator": per_device(acc, fsdp),
+        "params": rs.bytes_per_device(params, fsdp),
+        "masters": rs.bytes_per_device(masters, fsdp),
+        "optimizer": rs.bytes_per_device(opt_state, fsdp) - rs.bytes_per_device(masters, fsdp),
+        "accumulator": rs.bytes_per_device(acc, fsdp),
     }
     micro = {
         **_micro(config, rows, saved),
@@ -300,25 +257,27 @@ def plan_finetuning(
         def loss(a: Any, b: Any, base: Any, rngs: Any) -> Any:
             return labelled_loss_sum(nnx.merge(graphdef, a, rngs, base, copy=True), b)[0]
 
-        return sum(map(nbytes, saved_for_backward(loss, adapters, batch, base, rngs)))
+        return sum(map(nbytes, rl.saved_for_backward(loss, adapters, batch, base, rngs)))
 
     _, adapters, rngs, base = full
     tx = finetune_optimizer()
     opt_state, acc = optimizer_state(tx, adapters)
     state = {
-        "params": per_device(base) + per_device(adapters) + per_device(rngs),
+        "params": rs.bytes_per_device(base)
+        + rs.bytes_per_device(adapters)
+        + rs.bytes_per_device(rngs),
         "masters": 0,
-        "optimizer": per_device(opt_state),
-        "accumulator": per_device(acc),
+        "optimizer": rs.bytes_per_device(opt_state),
+        "accumulator": rs.bytes_per_device(acc),
     }
     micro = {
         **_micro(config, args.batch_size, saved),
-        "gradients": per_device(jax.tree.map(_as_fp32, adapters)),
+        "gradients": rs.bytes_per_device(jax.tree.map(_as_fp32, adapters)),
         "new accumulator": state["accumulator"],
     }
     # examples.finetune donates nothing: the update writes a new copy of its whole state.
     apply = {
-        "new params": per_device(adapters),
+        "new params": rs.bytes_per_device(adapters),
         "new optimizer": state["optimizer"],
         "new accumulator": state["accumulator"],
     }
@@ -333,12 +292,12 @@ def _gradients(params: Any, fsdp: int, *, scanned: bool) -> int:
     in the scan's own iteration: then each device's shard of all of them, one block's whole
     and the rest of the model's (embedding, head, final norm) whole.
     """
-    whole = per_device(jax.tree.map(_as_fp32, params))
+    whole = rs.bytes_per_device(jax.tree.map(_as_fp32, params))
     if fsdp == 1 or not scanned:
         return whole
     blocks = jax.tree.map(_as_fp32, params["blocks"])
-    local = per_device(jax.tree.map(_as_fp32, params), fsdp)
-    return local + per_device(blocks[0]) + whole - per_device(blocks)
+    local = rs.bytes_per_device(jax.tree.map(_as_fp32, params), fsdp)
+    return local + rs.bytes_per_device(blocks[0]) + whole - rs.bytes_per_device(blocks)
 
 
 def finetune_model(args: argparse.Namespace, config: GPTConfig) -> GPT:

@@ -39,6 +39,7 @@ from rudax.layers._peft import load_adapter as load_adapter
 from rudax.layers._peft import save_adapter as save_adapter
 from rudax.layers._remat import REMAT_POLICIES as REMAT_POLICIES
 from rudax.layers._remat import remat as remat
+from rudax.layers._residuals import saved_for_backward as saved_for_backward
 from rudax.layers._rope import Llama3RopeScaling as Llama3RopeScaling
 from rudax.layers._rope import apply_rope as apply_rope
 from rudax.layers._rope import rope_frequencies as rope_frequencies
@@ -69,6 +70,7 @@ __all__ = [
     "remat",
     "rope_frequencies",
     "save_adapter",
+    "saved_for_backward",
     "sorted_segment_sum",
     "to_dtype",
 ]

@@ -21,6 +21,9 @@ from rudax.sharding._data_parallel import MissingGradientPolicy as MissingGradie
 # [block: fsdp]
 from rudax.sharding._fsdp import ShardedModule as ShardedModule
 from rudax.sharding._fsdp import ShardingContext as ShardingContext
+
+# [block: memory]
+from rudax.sharding._memory import bytes_per_device as bytes_per_device
 from rudax.sharding._sharded_parameter import ShardedParameter as ShardedParameter
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "ShardedModule",
     "ShardedParameter",
     "ShardingContext",
+    "bytes_per_device",
     "collectives",
     "vary_like",
     "varying_axes",
