@@ -152,6 +152,11 @@ def generate(
       >>> [len(row) for row in out]
       [5, 5]
     """
+    if not callable(getattr(model, "init_cache", None)):
+        raise TypeError(
+            f"model must be a rudax.models causal LM with a KV cache (LlamaForCausalLM), got "
+            f"{type(model).__name__}"
+        )
     if isinstance(prompts, np.ndarray | jax.Array):
         prompts = np.asarray(prompts).tolist()
     rows = [[int(t) for t in row] for row in prompts]

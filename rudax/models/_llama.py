@@ -230,7 +230,9 @@ class LlamaForCausalLM(nnx.Module):
     dtype. Keyword arguments: ``positions`` ``[B, T]`` (RoPE's positions; default 0 .. T-1),
     ``segment_ids`` ``[B, T]`` (packed rows: tokens attend within their segment only), and
     ``cache``, a ``KVCache`` from ``init_cache``: then the call returns ``(logits, cache)``
-    with the new tokens' keys and values written at ``cache.length``.
+    with the new tokens' keys and values written at ``cache.length``. With a cache, a call of
+    T > 1 tokens is a prefill and must be the first (its attention sees only its own tokens);
+    later calls add one token each (``generate`` does both).
 
     Example:
       >>> import jax.numpy as jnp

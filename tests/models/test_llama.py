@@ -175,6 +175,11 @@ def test_state_dict_round_trips_in_torch_layout():
         np.testing.assert_array_equal(np.asarray(value), theirs[name].numpy(), err_msg=name)
 
 
+def test_a_model_without_a_cache_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"model must be a rudax\.models causal LM .* got Linear"):
+        generate(rl.Linear(2, 2, rngs=nnx.Rngs(0)), [[1]], 4)
+
+
 @pytest.mark.parametrize(
     ("prompts", "kwargs", "error", "match"),
     [
