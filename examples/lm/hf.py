@@ -162,9 +162,11 @@ def load_hf(
     differs, and one chunk; the whole model in ``param_dtype`` never exists. The embedding,
     the norms and an untied head stay in ``param_dtype`` (as bitsandbytes leaves them).
 
-    ``lm_head.weight`` in a tied checkpoint must equal the embedding; RoPE ``inv_freq``
-    buffers (older checkpoints) must equal this model's frequencies. Any other tensor the
-    model does not have, or one it has that is missing or of another shape, is an error.
+    A projection holding NaN or inf is refused under ``quantize="nf4"`` (NF4 cannot store
+    it, and ``nf4_quantize``'s block maxima would hide it). ``lm_head.weight`` in a tied
+    checkpoint must equal the embedding; RoPE ``inv_freq`` buffers (older checkpoints) must
+    equal this model's frequencies. Any other tensor the model does not have, or one it has
+    that is missing or of another shape, is an error.
 
     Args:
       directory: the checkpoint directory (``config.json`` and ``model.safetensors``, or the
@@ -232,6 +234,13 @@ def load_hf(
         if on_tensor is not None:
             on_tensor(name, tensor)
         if path[:-1] in packed:
+            if path[-1] == "kernel" and not np.isfinite(tensor).all():
+                # NF4's per-block absmax would hide a NaN (XLA:CPU's max drops it) or turn an
+                # inf into garbage: the quantized model would compute finite, wrong outputs.
+                raise ValueError(
+                    f"{directory}: {name} holds non-finite values (NaN or inf), which NF4 "
+                    "cannot store: the checkpoint is damaged, or load it with quantize=None"
+                )
             try:
                 part = _quantized(tensor, path, config.param_dtype)
             except ValueError as e:  # a size NF4's blocks do not divide

@@ -158,7 +158,8 @@ def from_pretrained(
         frozen ``rudax.layers.NF4Linear`` as it is read (rounded to ``param_dtype`` first, then
         ``rudax.kernels.nf4_quantize`` with double quantization in blocks of 64, a chunk at a
         time), QLoRA's base: the whole model in ``param_dtype`` never exists. The embedding,
-        norms and head stay in ``param_dtype``, as bitsandbytes leaves them.
+        norms and head stay in ``param_dtype``, as bitsandbytes leaves them. A projection
+        holding NaN or inf is refused, naming it: NF4 cannot store it.
 
     Returns:
       The model; its ``config`` keeps the checkpoint's token ids. The weights are read
@@ -211,6 +212,13 @@ def _quantize_projections(
                 if name not in where:
                     raise ValueError(f"{folder}: no tensor {name!r}")
                 tensor = where[name].get_tensor(name)
+                if not np.isfinite(tensor).all():
+                    # NF4's per-block absmax would hide a NaN (XLA:CPU's max drops it) or
+                    # turn an inf into garbage: finite, wrong outputs.
+                    raise ValueError(
+                        f"{folder}: {name} holds non-finite values (NaN or inf), which NF4 "
+                        "cannot store: the checkpoint is damaged, or load it unquantized"
+                    )
                 if tensor.shape != (linear.out_features, linear.in_features):
                     raise ValueError(
                         f"{folder}: {name} has shape {tensor.shape}, the model's "

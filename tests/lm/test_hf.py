@@ -523,3 +523,20 @@ def test_token_id_fields_transformers_writes_are_accepted():
     # A real 135M checkpoint written by transformers 5 was refused over "unk_token_id": 0.
     ids = dict(unk_token_id=0, bos_token_id=0, eos_token_id=[0, 2], sep_token_id=None)
     assert config_from_hf({**_LLAMA, **ids}) == config_from_hf(_LLAMA)
+
+
+def test_nf4_loading_refuses_a_non_finite_projection(saved):
+    # nf4_quantize's block max drops a NaN on the CPU: quantized, the damage was invisible.
+    directory, _ = saved
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with safe_open(directory / "model.safetensors", framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+
+    def poison(t):
+        w = np.array(t[q])
+        w[1, 2] = np.nan
+        t[q] = w
+
+    _rewrite(directory, tensors, poison)
+    with pytest.raises(ValueError, match=rf"{q} holds non-finite values"):
+        load_hf(directory, quantize="nf4")

@@ -218,3 +218,17 @@ def test_nf4_loading_quantizes_the_projections_as_nf4_quantize_does(tmp_path):
     assert isinstance(model.model.layers[0].self_attn.q_proj, rl.LoRALinear)
     with pytest.raises(ValueError, match="quantize must be one of"):
         from_pretrained(tmp_path, quantize="int8")
+
+
+def test_nf4_loading_refuses_a_non_finite_projection_by_name(tmp_path):
+    # Quantized, the NaN vanished on the CPU (the block's max dropped it): finite, wrong
+    # outputs where the unquantized model gives NaN.
+    ref = _hf(tie=False)
+    with torch.no_grad():
+        ref.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    ref.save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds non-finite"
+    ):
+        from_pretrained(tmp_path, quantize="nf4")
+    assert np.isnan(np.asarray(from_pretrained(tmp_path)(jnp.asarray(IDS)))).any()
