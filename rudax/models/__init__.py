@@ -21,7 +21,7 @@ from rudax.models._llama import KVCache as KVCache
 from rudax.models._llama import LlamaForCausalLM as LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig as LlamaConfig
 from rudax.models._safetensors import SafetensorsFile as SafetensorsFile
-from rudax.models._safetensors import save_safetensors as save_safetensors
+from rudax.models._safetensors_writer import save_safetensors as save_safetensors
 
 __all__ = [
     "ChatTemplate",

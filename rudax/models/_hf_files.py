@@ -34,9 +34,10 @@ from rudax.models import _llama
 from rudax.models._hf_names import load_state, state_dict
 from rudax.models._llama import LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig
-from rudax.models._safetensors import SafetensorsFile, save_safetensors
+from rudax.models._safetensors import SafetensorsFile
+from rudax.models._safetensors_writer import save_safetensors
 
-__all__ = ["TOKENIZER_FILES", "from_pretrained", "save_pretrained"]
+__all__ = ["TOKENIZER_FILES", "from_pretrained", "open_checkpoint", "save_pretrained"]
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -202,12 +203,13 @@ def _quantize_projections(
     used: set[str] = set()
     dtype = model.config.param_dtype
     for i, layer in enumerate(model.model.layers):
-        for parent in (layer.self_attn, layer.mlp):
+        for part in ("self_attn", "mlp"):
+            parent = getattr(layer, part)
+            prefix = f"model.layers.{i}.{part}"
             for attr in PROJECTIONS:
                 linear = getattr(parent, attr, None)
                 if not isinstance(linear, rl.Linear):
                     continue
-                prefix = f"model.layers.{i}.{'self_attn' if parent is layer.self_attn else 'mlp'}"
                 name = f"{prefix}.{attr}.weight"
                 if name not in where:
                     raise ValueError(f"{folder}: no tensor {name!r}")

@@ -87,34 +87,26 @@ def load_state(
         or a tensor no parameter reads (a checkpoint of another architecture; rotary
         ``inv_freq`` buffers excepted).
     """
-    aliases = _tied_aliases(model)
+    # A tied head's leaf has two names (transformers writes one or both): either reads into it.
+    tied = {n for pair in _tied_aliases(model).items() for n in pair}
     used: set[str] = set()
     seen: set[int] = set()
     for name, path, variable, transposed in list(hf_names(model)):
         if id(variable) in seen:
             continue
         seen.add(id(variable))
-        source = name
-        if name not in names:
-            alias = {v: k for k, v in aliases.items()}.get(name)
-            if alias is not None and alias in names:
-                source = alias
-            elif name in aliases and aliases[name] in names:
-                source = aliases[name]
-            else:
-                raise ValueError(f"{where}: no tensor {name!r} (for {'.'.join(map(str, path))})")
+        group = tied if name in tied else {name}
+        present = sorted(group & names, key=lambda n: n != name)  # its own name first
+        if not present:
+            raise ValueError(f"{where}: no tensor {name!r} (for {'.'.join(map(str, path))})")
+        source = present[0]
         tensor = np.asarray(get_tensor(source))
         value = tensor.T if transposed else tensor
         if value.shape != variable.shape:
             shape = tuple(reversed(variable.shape)) if transposed else variable.shape
             raise ValueError(f"{where}: {source} has shape {tensor.shape}, the model's {shape}")
         variable.set_value(jnp.asarray(value, variable.dtype))
-        used.add(source)
-    for alias, target in aliases.items():
-        if target in used and alias in names:
-            used.add(alias)  # the tied head's copy, read into the same leaf
-        if alias in used and target in names:
-            used.add(target)
+        used |= group & names
     extra = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ValueError(

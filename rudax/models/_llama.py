@@ -284,18 +284,18 @@ class LlamaForCausalLM(nnx.Module):
 
         Args:
           batch_size: B.
-          size: S, slots: the prompt's padded length plus the tokens to generate, at most
-            ``max_position_embeddings``... beyond which RoPE was never trained (allowed).
+          size: S, slots: the prompt's padded length plus the tokens to generate (past
+            ``max_position_embeddings`` RoPE was never trained, but nothing refuses it).
           dtype: the cache's dtype; None for the compute dtype.
         """
         c = self.config
         assert c.num_key_value_heads is not None and c.head_dim is not None
         shape = (batch_size, size, c.num_key_value_heads, c.head_dim)
         dt = self.dtype if dtype is None else jnp.dtype(dtype)
-        zeros = tuple(jnp.zeros(shape, dt) for _ in range(c.num_hidden_layers))
+        empty = lambda: tuple(jnp.zeros(shape, dt) for _ in range(c.num_hidden_layers))
         return KVCache(
-            keys=zeros,
-            values=tuple(jnp.zeros(shape, dt) for _ in range(c.num_hidden_layers)),
+            keys=empty(),
+            values=empty(),
             valid=jnp.zeros((batch_size, size), bool),
             positions=jnp.zeros((batch_size, size), jnp.int32),
             length=jnp.zeros((), jnp.int32),

@@ -15,7 +15,7 @@ import pytest
 import transformers
 
 import rudax.layers as rl
-from rudax.models import LlamaConfig, _llama_config
+from rudax.models import LlamaConfig, _llama_hf_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -155,14 +155,14 @@ def test_to_hf_loads_into_transformers_with_the_same_architecture(tmp_path):
 def test_every_pretrained_config_field_of_transformers_is_inert_or_read():
     # The generic fields every transformers config carries never cause a refusal.
     generic = set(transformers.PretrainedConfig().to_dict())
-    assert generic <= _llama_config._INERT | _llama_config._READ
+    assert generic <= _llama_hf_json._INERT | _llama_hf_json._READ
     for cls, family in (
         (transformers.LlamaConfig, "llama"),
         (transformers.Qwen2Config, "qwen2"),
         (transformers.MistralConfig, "mistral"),
     ):
         fields = set(cls().to_dict())
-        known = _llama_config._INERT | _llama_config._READ | _llama_config._FAMILY_READ[family]
+        known = _llama_hf_json._INERT | _llama_hf_json._READ | _llama_hf_json._FAMILY_READ[family]
         assert fields <= known, (family, sorted(fields - known))
 
 

@@ -15,7 +15,7 @@ import pytest
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
-from rudax.models._safetensors import SafetensorsFile, save_safetensors
+from rudax.models import SafetensorsFile, save_safetensors
 
 
 def _tensors():
