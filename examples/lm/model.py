@@ -408,7 +408,9 @@ class GPT(nnx.Module):
         x_BxTxD = self.embed(tokens_BxT)
         context = {"segment_ids": segment_ids, "positions": positions}
         if self.config.scan_layers:
-            x_BxTxD, aux_L = scan_blocks(self.blocks, x_BxTxD, context, self.config.remat)
+            x_BxTxD, aux_L = rl.scan_layers(
+                self.blocks, x_BxTxD, remat_policy=self.config.remat, **context
+            )
             return self.norm(x_BxTxD), jnp.mean(aux_L)
         aux = []
         for block in self.blocks:
@@ -416,45 +418,6 @@ class GPT(nnx.Module):
             x_BxTxD, aux_l = run(x_BxTxD, **context)
             aux.append(aux_l)
         return self.norm(x_BxTxD), jnp.mean(jnp.stack(aux))
-
-
-def scan_blocks(
-    blocks: Any, x_BxTxD: jax.Array, context: dict[str, Any], remat: str
-) -> tuple[jax.Array, jax.Array]:
-    """``x, aux_l = block(x, **context)`` for each block in turn, as one ``lax.scan``.
-
-    Each block's state (``nnx.split``) is stacked on a new leading axis and the scan's body
-    merges one slice into the blocks' common graph: the parameters stay stored one module
-    per block. Under ``remat`` the body is checkpointed (without ``prevent_cse``, which a
-    scan makes unnecessary: its backward is a loop that recomputes one block at a time).
-
-    Returns:
-      The last block's output and every block's aux loss, ``[n_layers]``.
-
-    Raises:
-      ValueError: the blocks differ in structure (the first that does is named), or hold
-        RNG state.
-    """
-    splits = [nnx.split(block) for block in blocks]
-    graphdef = splits[0][0]
-    for i, (other, _) in enumerate(splits):
-        if other != graphdef:
-            raise ValueError(
-                f"scan_layers: blocks[{i}] differs in structure from blocks[0] (another "
-                "layer type, shape or adapter); a scan runs one block's program for all"
-            )
-        if jax.tree.leaves(nnx.state(blocks[i], nnx.RngState)):
-            raise ValueError(
-                f"scan_layers: blocks[{i}] holds RNG state (dropout): a scan would draw the "
-                "same numbers in every block; run without dropout, or without scan_layers"
-            )
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
-
-    def body(x_BxTxD: jax.Array, state: Any) -> tuple[jax.Array, jax.Array]:
-        block = nnx.merge(graphdef, state)
-        return rl.remat(block, policy=remat, prevent_cse=False)(x_BxTxD, **context)
-
-    return jax.lax.scan(body, x_BxTxD, stacked)
 
 
 def _check_tokens(name: str, tokens: jax.Array, max_len: int) -> None:

@@ -8,7 +8,8 @@ puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
 ``save_adapter`` / ``load_adapter`` read and write peft's adapter files. ``NF4Linear`` is a
 frozen base stored in 4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
 ``apply_lora(..., quantize_base="nf4")`` builds while it adapts. ``remat`` checkpoints a
-block's activations under a named policy (``REMAT_POLICIES``). ``Attention`` is self-attention
+block's activations under a named policy (``REMAT_POLICIES``), ``scan_layers`` runs a stack
+of identical layers as one ``lax.scan``. ``Attention`` is self-attention
 with rotary positions (``apply_rope``, ``rope_frequencies``, ``Llama3RopeScaling``) over
 rudax.kernels' ``flash_attention``: grouped-query heads, packed rows, windows and soft caps.
 """
@@ -43,6 +44,7 @@ from rudax.layers._residuals import saved_for_backward as saved_for_backward
 from rudax.layers._rope import Llama3RopeScaling as Llama3RopeScaling
 from rudax.layers._rope import apply_rope as apply_rope
 from rudax.layers._rope import rope_frequencies as rope_frequencies
+from rudax.layers._scan import scan_layers as scan_layers
 
 __all__ = [
     "REMAT_POLICIES",
@@ -71,6 +73,7 @@ __all__ = [
     "rope_frequencies",
     "save_adapter",
     "saved_for_backward",
+    "scan_layers",
     "sorted_segment_sum",
     "to_dtype",
 ]

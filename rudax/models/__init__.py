@@ -6,7 +6,8 @@ checkpoints, refusing (and naming) only a field that would change what the model
 ``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the model, with
 transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and write checkpoint
 folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
-KV cache, and ``ChatTemplate`` renders a tokenizer's own chat template.
+KV cache, ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for
+token-weighted accumulation), and ``ChatTemplate`` renders a tokenizer's own chat template.
 """
 
 # Public names, re-exported one per line (``from rudax.models._x import a as a``), sorted as
@@ -20,15 +21,19 @@ from rudax.models._hf_files import save_pretrained as save_pretrained
 from rudax.models._llama import KVCache as KVCache
 from rudax.models._llama import LlamaForCausalLM as LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig as LlamaConfig
+from rudax.models._loss import IGNORE_INDEX as IGNORE_INDEX
+from rudax.models._loss import causal_lm_loss_sum as causal_lm_loss_sum
 from rudax.models._safetensors import SafetensorsFile as SafetensorsFile
 from rudax.models._safetensors_writer import save_safetensors as save_safetensors
 
 __all__ = [
+    "IGNORE_INDEX",
     "ChatTemplate",
     "KVCache",
     "LlamaConfig",
     "LlamaForCausalLM",
     "SafetensorsFile",
+    "causal_lm_loss_sum",
     "from_pretrained",
     "generate",
     "load_chat_template",

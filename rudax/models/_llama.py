@@ -28,10 +28,16 @@ from jax.typing import DTypeLike
 import rudax.kernels as rk
 import rudax.layers as rl
 from rudax._validation import float_dtype
+from rudax.layers._remat import Policy
 from rudax.layers._rope import apply_rope
 from rudax.models._llama_config import LlamaConfig
 
 __all__ = ["KVCache", "LlamaForCausalLM"]
+
+def _check_remat(remat: Any) -> None:
+    if remat not in rl.REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {rl.REMAT_POLICIES}, got {remat=}")
+
 
 # transformers' initializer: N(0, initializer_range = 0.02) for every projection and table.
 _INIT = nnx.initializers.normal(0.02)
@@ -225,6 +231,15 @@ class LlamaForCausalLM(nnx.Module):
       dtype: the compute dtype; None for the storage dtype (``config.param_dtype``), as
         transformers computes. Norms, softmax and RoPE run in fp32 whatever it is.
       rngs: draws the initial weights (N(0, 0.02), transformers' ``initializer_range``).
+      remat: each decoder layer's activation checkpointing in a training call, one of
+        ``rudax.layers.REMAT_POLICIES``. It changes memory and time, not the gradients.
+      scan_layers: run the decoder layers as one ``lax.scan`` (``rudax.layers.scan_layers``):
+        one layer compiled instead of ``num_hidden_layers``, and remat then saves memory on
+        every backend. The layers stay stored one module each (the same HF names, LoRA and
+        checkpoints). Layers holding dropout (LoRA with dropout in training) are refused.
+
+    ``remat`` and ``scan_layers`` are attributes that may be set between calls: how the
+    model runs, not what it stores. A call with a cache (generation) runs the plain loop.
 
     Calling the model on token ids ``[B, T]`` returns logits ``[B, T, V]`` in the compute
     dtype. Keyword arguments: ``positions`` ``[B, T]`` (RoPE's positions; default 0 .. T-1),
@@ -249,12 +264,23 @@ class LlamaForCausalLM(nnx.Module):
     """
 
     def __init__(
-        self, config: LlamaConfig, *, dtype: DTypeLike | None = None, rngs: nnx.Rngs
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: DTypeLike | None = None,
+        remat: Policy = "none",
+        scan_layers: bool = False,
+        rngs: nnx.Rngs,
     ) -> None:
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a rudax.models.LlamaConfig, got {config!r}")
+        _check_remat(remat)
+        if not isinstance(scan_layers, bool):
+            raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
         c = config
         self.config = c
+        self.remat: Policy = remat
+        self.scan_layers = scan_layers
         compute = float_dtype("dtype", dtype)
         self.dtype = c.param_dtype if compute is None else compute
         self.model = LlamaModel(c, dtype=self.dtype, rngs=rngs)
@@ -343,8 +369,14 @@ class LlamaForCausalLM(nnx.Module):
         positions = jnp.asarray(positions, jnp.int32)
         x = self.model.embed_tokens(ids)
         if cache is None:
-            for layer in self.model.layers:
-                x, _ = layer(x, positions=positions, segment_ids=segment_ids)
+            _check_remat(self.remat)  # the attribute may have been set since __init__
+            context = {"positions": positions, "segment_ids": segment_ids}
+            if self.scan_layers:
+                layers = list(self.model.layers)
+                x, _ = rl.scan_layers(layers, x, remat_policy=self.remat, **context)
+            else:
+                for layer in self.model.layers:
+                    x, _ = rl.remat(layer, policy=self.remat)(x, **context)
             return self.model.norm(x), None
         if cache.valid.shape[0] != b:
             raise ValueError(f"cache holds {cache.valid.shape[0]} rows, input_ids {b}")

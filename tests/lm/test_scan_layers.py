@@ -102,11 +102,11 @@ def test_blocks_with_rng_state_or_another_structure_are_refused():
     config = dataclasses.replace(CONFIG, scan_layers=True)
     dropout = GPT(config, rngs=nnx.Rngs(0))
     rl.apply_lora(dropout, ["qkv"], rank=2, alpha=4.0, dropout=0.1, rngs=nnx.Rngs(1))
-    with pytest.raises(ValueError, match=r"blocks\[0\] holds RNG state \(dropout\)"):
+    with pytest.raises(ValueError, match=r"layers\[0\] holds RNG state \(dropout\)"):
         loss_sum(dropout, batch)
     one = GPT(config, rngs=nnx.Rngs(0))
     rl.apply_lora(one.blocks[0], ["qkv"], rank=2, alpha=4.0, rngs=nnx.Rngs(1))  # block 0 alone
-    with pytest.raises(ValueError, match=r"blocks\[1\] differs in structure from blocks\[0\]"):
+    with pytest.raises(ValueError, match=r"layers\[1\] differs in structure from layers\[0\]"):
         loss_sum(one, batch)
 
 

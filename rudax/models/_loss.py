@@ -1,0 +1,129 @@
+"""``causal_lm_loss_sum``: a causal LM's cross entropy summed over labelled tokens.
+
+The loss is a *sum* with its token count beside it, the contract of token-weighted gradient
+accumulation (``rudax.optim.GradientAccumulator``): ``acc.add(grad, weight=count)`` over
+microbatches, then ``acc.pop(normalize=True)``, is the gradient of the mean over every
+counted token of the window, however the examples were split or packed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import rudax.kernels as rk
+from rudax.models._llama import LlamaForCausalLM
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss_sum"]
+
+# transformers' and torch's label of a position that is not counted.
+IGNORE_INDEX = -100
+REQUIRED, OPTIONAL = ("tokens", "labels"), ("segment_ids", "positions")
+
+
+def causal_lm_loss_sum(
+    model: LlamaForCausalLM, batch: Mapping[str, Any], *, chunk: int = 1024
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Cross entropy SUMMED over the labelled tokens of a (packed) batch, and their count.
+
+    ``batch`` holds integer ``[B, T]`` arrays: ``tokens``; ``labels``, the id to predict at
+    each position (already shifted: the next token of the same example) or ``-100``
+    (``IGNORE_INDEX``) where nothing is counted (prompt tokens, padding, an example's last
+    token); optionally ``segment_ids`` (1, 2, ... per example packed in a row, 0 for
+    padding: tokens attend within their example only) and ``positions`` (each token's place
+    in its own example). With ``counted = labels != -100``::
+
+        h        = model.hidden_states(tokens, segment_ids=..., positions=...)
+        ce_sum   = sum_{b,t} [counted] (logsumexp(logits[b, t]) - logits[b, t, labels[b, t]])
+
+    with ``logits = h @ lm_head.T`` computed ``chunk`` tokens at a time by
+    ``rudax.kernels.linear_cross_entropy`` (fp32), never all ``[B, T, V]`` at once. A batch
+    with nothing counted gives 0 and zero gradients, no NaN.
+
+    Args:
+      model: a ``LlamaForCausalLM`` (plain, LoRA or NF4 + LoRA).
+      batch: the arrays above; anything else, a missing key, a non-integer array or two
+        shapes is a TypeError or ValueError naming the key (checked at trace time). Labels
+        must be in ``[0, vocab_size)`` or -100.
+      chunk: tokens per chunk of the fused head and loss.
+
+    Returns:
+      ``(ce_sum, {"tokens": count (int32), "ce_sum": ce_sum})``; the mean cross entropy is
+      ``ce_sum / tokens``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from rudax.models import LlamaConfig, LlamaForCausalLM, causal_lm_loss_sum
+      >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+      ...                      num_hidden_layers=1, num_attention_heads=4)
+      >>> model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+      >>> batch = {  # a 3-token prompt and a 2-token completion, then padding
+      ...     "tokens":      jnp.array([[5, 6, 7, 8, 9, 0, 0]]),
+      ...     "labels":      jnp.array([[-100, -100, 8, 9, -100, -100, -100]]),
+      ...     "segment_ids": jnp.array([[1, 1, 1, 1, 1, 0, 0]]),
+      ...     "positions":   jnp.array([[0, 1, 2, 3, 4, 0, 0]]),
+      ... }
+      >>> loss, metrics = causal_lm_loss_sum(model, batch)
+      >>> int(metrics["tokens"]), loss.dtype
+      (2, dtype('float32'))
+    """
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"model must be a rudax.models.LlamaForCausalLM, got {type(model)}")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    arrays = _check_batch(batch)
+    tokens, labels = arrays["tokens"], arrays["labels"]
+    h, _ = model.hidden_states(
+        tokens, segment_ids=arrays.get("segment_ids"), positions=arrays.get("positions")
+    )
+    head = model.lm_head
+    n, d = labels.size, h.shape[-1]
+    ce_sum, count = rk.linear_cross_entropy(
+        h.reshape(n, d),
+        head.embedding[...],
+        labels.reshape(n),
+        ignore_index=IGNORE_INDEX,
+        dtype=head.dtype,
+        chunk=chunk,
+    )
+    return ce_sum, {"tokens": count, "ce_sum": ce_sum}
+
+
+def _check_batch(batch: Any) -> dict[str, jax.Array]:
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"batch must be a dict with the keys {REQUIRED} (and optionally {OPTIONAL}), got "
+            f"{type(batch).__name__}"
+        )
+    missing = [k for k in REQUIRED if k not in batch]
+    unknown = sorted(str(k) for k in batch if k not in REQUIRED + OPTIONAL)
+    if missing or unknown:
+        raise ValueError(
+            f"batch must have the keys {REQUIRED} and may have {OPTIONAL}: missing {missing}, "
+            f"unknown {unknown}"
+        )
+    arrays: dict[str, jax.Array] = {}
+    for key in REQUIRED + OPTIONAL:
+        if batch.get(key) is None:
+            continue
+        try:
+            value = jnp.asarray(batch[key])
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"batch[{key!r}] must be an integer array, got {batch[key]!r}") from e
+        if not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(
+                f"batch[{key!r}] must hold integers, got batch[{key!r}].dtype={value.dtype}"
+            )
+        if value.ndim != 2:
+            raise ValueError(
+                f"batch[{key!r}] must be [batch, time], got batch[{key!r}].shape={value.shape}"
+            )
+        arrays[key] = value
+    shapes = {key: a.shape for key, a in arrays.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"batch's arrays must have one shape [batch, time], got {shapes}")
+    return arrays
