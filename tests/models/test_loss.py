@@ -114,7 +114,7 @@ def test_bad_chunk_and_model():
     batch = {"tokens": jnp.ones((1, 3), int), "labels": jnp.ones((1, 3), int)}
     with pytest.raises(ValueError, match="chunk must be a positive int, got 0"):
         causal_lm_loss_sum(_tiny(), batch, chunk=0)
-    with pytest.raises(TypeError, match="model must be a rudax.models.LlamaForCausalLM"):
+    with pytest.raises(TypeError, match=r"model must be a rudax\.models\.LlamaForCausalLM"):
         causal_lm_loss_sum(object(), batch)  # type: ignore[arg-type]
 
 
