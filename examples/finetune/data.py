@@ -335,6 +335,15 @@ class FinetuneData:
         segments = tuple(Segment(text, counted) for text, counted in pieces)
         return Record(record.line, segments, record.messages)
 
+    def prompt(self, k: int) -> np.ndarray:
+        """Example ``k``'s context (in file order, dropped examples left out): its tokens
+        before the first counted one, what the model is prompted with to answer it."""
+        if not 0 <= k < self.num_examples:
+            raise ValueError(f"k must be in [0, {self.num_examples}), got {k=}")
+        lo, hi = self._starts[k], self._starts[k + 1]
+        counted = np.flatnonzero(self._targets[lo:hi])
+        return self._ids[lo : lo + (int(counted[0]) if counted.size else hi - lo)]
+
     def identity(self) -> dict[str, Any]:
         """What fixes the batches, for a checkpoint to record and a resumed run to compare:
         equal identities give equal ``batch(i)`` for every ``i`` (``path`` excepted: the

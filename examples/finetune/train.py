@@ -17,12 +17,16 @@ The run, top to bottom:
   only completion (assistant) tokens are labelled, the rest -100; rows packed (or padded)
   with segment ids, so examples in one row do not see each other. Batch ``i`` depends on the
   file, the seed and ``i`` only: the data position is the update count.
-- model: ``examples.lm.hf.load_hf`` reads the base tensor by tensor, with ``--quantize nf4``
+- model: ``rudax.models.from_pretrained`` reads the base tensor by tensor into a
+  ``LlamaForCausalLM`` (module paths are Hugging Face's names), with ``--quantize nf4``
   quantizing each attention and MLP projection as it is read (``rudax.layers.NF4Linear``);
   ``rudax.layers.apply_lora`` puts rank ``--rank`` adapters on ``--targets`` (fp32). The
-  base's identity is the SHA-256 of every tensor read (name, dtype, shape, bytes).
-- step: ``labelled_loss_sum`` (``rudax.kernels.linear_cross_entropy`` over the full
-  vocabulary, a chunk of tokens at a time), gradients for the adapters only
+  base's identity is the SHA-256 of its config.json and of the model as loaded (every
+  leaf's path, dtype, shape and bytes).
+- samples: a greedy completion of the first validation prompt (``rudax.models.generate``)
+  before the first update and after the last, ``--sample-tokens`` tokens at most.
+- step: ``rudax.models.causal_lm_loss_sum`` (``rudax.kernels.linear_cross_entropy`` over the
+  full vocabulary, a chunk of tokens at a time), gradients for the adapters only
   (``rudax.layers.LoRAParam``), accumulated over ``--grad-accum`` microbatches weighted by
   their counted tokens (``rudax.optim.GradientAccumulator``), then global-norm clipping and
   AdamW (weight decay 0) with warmup + cosine decay.
@@ -38,9 +42,10 @@ The run, top to bottom:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -56,16 +61,15 @@ from tqdm.auto import tqdm
 
 import rudax.checkpoint as rc
 import rudax.layers as rl
+import rudax.models as rm
 import rudax.optim as ro
 from examples.finetune import instructions
-from examples.finetune.data import FinetuneData, load_tokenizer
+from examples.finetune.data import BaseTokenizer, FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
-from examples.lm import guard, hf_init
-from examples.lm.config import REMAT_POLICIES, UsageError, _HelpFormatter, given_flags
+from examples.lm import guard
+from examples.lm.config import UsageError, _HelpFormatter, given_flags
 from examples.lm.guard import TrainingHalted
-from examples.lm.hf import export, hf_module_name, load_hf
 from examples.lm.host_memory import retain_freed_memory
-from examples.lm.model import labelled_loss_sum
 from examples.lm.report import MetricsLog, plot_losses, read_rows
 
 DEFAULT_BASE, DEFAULT_BASE_RUN = Path("hf/base"), Path("runs/base")
@@ -85,6 +89,7 @@ SESSION_FLAGS = (
     "run_dir",
     "remat",
     "scan_layers",
+    "sample_tokens",
 )
 # Where the base and the data are: a resumed run may find them elsewhere (their contents are
 # what is checked: the base's digest and the data's identity), and takes the run's if not given.
@@ -107,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
     run.add_argument("--stop-at", type=int, help="stop after this update, as an interruption would")
     run.add_argument("--export", help="the PEFT adapter's directory (default: RUN/adapter)")
+    run.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=32,
+        help="greedy tokens of the first validation prompt printed before and after "
+        "training (0: none)",
+    )
     base = p.add_argument_group("base and data (run flags)")
     base.add_argument("--base", help=f"the HF directory (default: {DEFAULT_BASE})")
     base.add_argument("--data", help="training JSONL (default: the standard library set)")
@@ -127,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     model.add_argument(
         "--remat",
-        choices=REMAT_POLICIES,
+        choices=rl.REMAT_POLICIES,
         default="none",
         help="activation checkpointing of each block, as examples.lm.train's (may change on "
         "--resume)",
@@ -223,28 +235,17 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             )
 
     # --------------------------------------------------------------------------- model
-    # The base's identity: its config.json (the function the tensors compute) and every
-    # tensor the model takes, as read, with its name, dtype and shape.
-    digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode())
-    n_base = 0
-
-    def identify(name: str, tensor: np.ndarray) -> None:
-        nonlocal n_base
-        n_base += tensor.size
-        digest.update(f"{name}:{tensor.dtype.name}:{tensor.shape};".encode())
-        digest.update(np.ascontiguousarray(tensor).view(np.uint8).data)
-
     quantize = None if args.quantize == "none" else args.quantize
     param_dtype, dtype = DTYPES[args.param_dtype], DTYPES[args.dtype]
     try:
-        model = load_hf(
-            base_dir, param_dtype=param_dtype, dtype=dtype, quantize=quantize, on_tensor=identify
+        model = rm.from_pretrained(
+            base_dir, param_dtype=param_dtype, dtype=dtype, quantize=quantize
         )
     except ValueError as e:
         raise UsageError(f"--base {base_dir}: {e}") from e
     # Read when the model is called: how it runs, not what it stores.
-    model.config = dataclasses.replace(model.config, remat=args.remat, scan_layers=args.scan_layers)
-    base_digest = digest.hexdigest()
+    model.remat, model.scan_layers = args.remat, args.scan_layers
+    base_digest, n_base = _base_identity(hf_config, model)
     try:
         adapted = rl.apply_lora(
             model,
@@ -252,7 +253,6 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             rank=args.rank,
             alpha=args.alpha,
             dropout=args.dropout,
-            names=hf_module_name,
             rngs=nnx.Rngs(args.seed),
         )
     except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
@@ -317,6 +317,11 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     # Written once every check has passed: a refused --resume leaves the run as it was.
     saved = {**vars(args), **identity, "base": str(base_dir)}
     (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+
+    samples: dict[int, str] = {}
+    sample_data = train_data if val_data is None else val_data
+    if step == 0 and args.sample_tokens:
+        samples[0] = _sample(model, tokenizer, sample_data, args.sample_tokens, "before training")
 
     # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
@@ -398,6 +403,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         "base_sha256": base_digest,
         "base_bytes": base_bytes,
         "adapted": adapted,
+        "samples": samples,
         **last,
     }
     if step < args.steps:
@@ -406,9 +412,11 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         )
         return result
     nnx.update(model, adapters, rngs)
+    if args.sample_tokens:
+        samples[step] = _sample(model, tokenizer, sample_data, args.sample_tokens, f"update {step}")
     model.eval()
     out = Path(args.export) if args.export else run_dir / "adapter"
-    rl.save_adapter(model, out, base_model_name_or_path=str(base_dir), names=hf_module_name)
+    rl.save_adapter(model, out, base_model_name_or_path=str(base_dir))
     print(
         f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
         f"{_show(last['tokens_per_s'], ',.0f')} tokens/s\nmetrics: {log.path}\nloss curve: "
@@ -421,10 +429,14 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
 
 def make_steps(
-    graphdef: nnx.GraphDef, eval_def: nnx.GraphDef, tx: optax.GradientTransformation
+    graphdef: nnx.GraphDef,
+    eval_def: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    loss: Any = rm.causal_lm_loss_sum,
 ) -> tuple[Any, Any, Any]:
     """The run's jitted ``(micro, apply, evaluate)`` for ``nnx.split(model, rl.LoRAParam,
-    nnx.RngState, ...)``'s ``graphdef`` (``eval_def``: the same model with dropout off).
+    nnx.RngState, ...)``'s ``graphdef`` (``eval_def``: the same model with dropout off), and
+    ``loss(model, batch) -> (loss_sum, {"tokens", "ce_sum", ...})``.
 
     ``micro(adapters, rngs, acc, base, batch) -> (acc, rngs, metrics)`` adds one microbatch's
     adapter gradients into the accumulator; ``apply(adapters, opt_state, acc) -> (adapters,
@@ -432,9 +444,12 @@ def make_steps(
     metrics without a gradient. Nothing is donated (the adapters are small).
     """
     # nnx's grad: dropout advances its RNG counters inside the differentiated call.
-    grad = nnx.value_and_grad(
-        labelled_loss_sum, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True
-    )
+    # (nnx's transforms resolve keyword arguments to positions and refuse a keyword-only one,
+    # as causal_lm_loss_sum's chunk, even unused: the loss is called through a plain function.)
+    def loss_of(model: nnx.Module, batch: Any) -> Any:
+        return loss(model, batch)
+
+    grad = nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True)
 
     @jax.jit
     def micro(adapters, rngs, acc, base, batch):
@@ -450,9 +465,22 @@ def make_steps(
 
     @jax.jit
     def evaluate(adapters, rngs, base, batch):
-        return labelled_loss_sum(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
+        return loss(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
 
     return micro, apply, evaluate
+
+
+def _sample(
+    model: nnx.Module, tokenizer: BaseTokenizer, data: FinetuneData, n: int, when: str
+) -> str:
+    """Prints and returns the model's greedy completion (dropout off) of data's first prompt."""
+    prompt = data.prompt(0).tolist()
+    model.eval()
+    ids = rm.generate(model, [prompt], n, stop_tokens=tokenizer.eos_id)[0]
+    model.train()
+    text = tokenizer.tokenizer.decode(ids)
+    print(f"sample, {when}: {tokenizer.tokenizer.decode(prompt)!r} -> {text!r}")
+    return text
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:
@@ -507,6 +535,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     if not 0 <= args.warmup < args.steps:
         raise UsageError(f"--warmup must be in [0, --steps), got {args.warmup}, {args.steps=}")
+    if args.sample_tokens < 0:
+        raise UsageError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at must be positive, got {args.stop_at}")
 
@@ -515,21 +545,53 @@ def _base_dir(base: str | None) -> Path:
     """--base, or hf/base, exported from runs/base (the main job's run) if it is not there."""
     if base is not None:
         path = Path(base)
-        if not hf_init.is_hf_dir(path):
+        if not _is_hf_dir(path):
             raise UsageError(
                 f"--base {path}: no config.json with a model_type, so not an HF checkpoint"
             )
         return path
-    if hf_init.is_hf_dir(DEFAULT_BASE):
+    if _is_hf_dir(DEFAULT_BASE):
         return DEFAULT_BASE
     if not (DEFAULT_BASE_RUN / "checkpoints").is_dir():
         raise UsageError(
             f"no --base, and neither {DEFAULT_BASE} nor the run {DEFAULT_BASE_RUN} exists: run "
             "python -m examples.lm.train --name base first, or pass --base <HF dir>"
         )
-    print(f"exporting {DEFAULT_BASE_RUN} to {DEFAULT_BASE} (python -m examples.lm.hf export)")
-    export(DEFAULT_BASE_RUN, DEFAULT_BASE)
+    # The trainer's own command, run as a user would: its checkpoint format is its business.
+    command = [sys.executable, "-m", "examples.lm.hf", "export", str(DEFAULT_BASE_RUN)]
+    command.append(str(DEFAULT_BASE))
+    print(f"exporting {DEFAULT_BASE_RUN} to {DEFAULT_BASE}: {' '.join(command[1:])}")
+    # The directory holding examples/, wherever this process was started from.
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    if subprocess.run(command, check=False, env=env).returncode != 0:
+        raise UsageError(
+            f"exporting {DEFAULT_BASE_RUN} to {DEFAULT_BASE} failed (see above): pass --base "
+            "<HF dir>, or export the run yourself"
+        )
     return DEFAULT_BASE
+
+
+def _is_hf_dir(path: Path) -> bool:
+    """Whether path holds a Hugging Face model: a config.json with a ``model_type``."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "model_type" in config
+
+
+def _base_identity(hf_config: dict[str, Any], model: rm.LlamaForCausalLM) -> tuple[str, int]:
+    """The base's SHA-256 (its config.json, then every leaf of the model as loaded: path,
+    dtype, shape, bytes) and its parameter count (an NF4 weight counts its elements)."""
+    digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode())
+    for path, leaf in jax.tree.leaves_with_path(nnx.state(model)):
+        array = np.asarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype.name}:{array.shape};".encode())
+        digest.update(np.ascontiguousarray(array).view(np.uint8).data)
+    shapes = nnx.eval_shape(lambda: rm.LlamaForCausalLM(model.config, rngs=nnx.Rngs(0)))
+    return digest.hexdigest(), sum(x.size for x in jax.tree.leaves(nnx.state(shapes)))
 
 
 def _data_paths(args: argparse.Namespace) -> tuple[Path, Path | None, bool]:

@@ -66,12 +66,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import rudax.layers as rl
+import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import config as cfg
-from examples.lm.hf import hf_module_name
-from examples.lm.hf_config import config_from_hf
-from examples.lm.model import GPT, GPTConfig, labelled_loss_sum, loss_sum, shard
+from examples.lm.hf_config import config_from_hf, config_to_hf
+from examples.lm.model import GPT, GPTConfig, loss_sum, shard
 from examples.lm.step import make_optimizer, make_steps, model_config
 
 FINETUNE = ("none", "lora", "qlora")
@@ -255,7 +255,7 @@ def plan_finetuning(
         # The frozen base and the RNG state are inputs of the step: what is kept of them as
         # they are costs nothing more, what is derived from them (a dequantized weight) counts.
         def loss(a: Any, b: Any, base: Any, rngs: Any) -> Any:
-            return labelled_loss_sum(nnx.merge(graphdef, a, rngs, base, copy=True), b)[0]
+            return rm.causal_lm_loss_sum(nnx.merge(graphdef, a, rngs, base, copy=True), b)[0]
 
         return sum(map(nbytes, rl.saved_for_backward(loss, adapters, batch, base, rngs)))
 
@@ -300,10 +300,18 @@ def _gradients(params: Any, fsdp: int, *, scanned: bool) -> int:
     return local + rs.bytes_per_device(blocks[0]) + whole - rs.bytes_per_device(blocks)
 
 
-def finetune_model(args: argparse.Namespace, config: GPTConfig) -> GPT:
-    """The GPT of ``config`` as ``examples.finetune`` trains it: ``--rank`` adapters on every
+def finetune_model(args: argparse.Namespace, config: GPTConfig) -> rm.LlamaForCausalLM:
+    """The model of ``config`` as ``examples.finetune`` trains it: a ``rudax.models``
+    ``LlamaForCausalLM`` (``config``'s remat and scanned layers), ``--rank`` adapters on every
     projection, each base projection NF4 under ``--finetune qlora``."""
-    model = GPT(config, rngs=nnx.Rngs(0))
+    llama = rm.LlamaConfig.from_hf(config_to_hf(config), param_dtype=config.param_dtype)
+    model = rm.LlamaForCausalLM(
+        llama,
+        dtype=config.dtype,
+        remat=config.remat,
+        scan_layers=config.scan_layers,
+        rngs=nnx.Rngs(0),
+    )
     quantize = "nf4" if args.finetune == "qlora" else None
     rl.apply_lora(
         model,
@@ -311,7 +319,6 @@ def finetune_model(args: argparse.Namespace, config: GPTConfig) -> GPT:
         rank=args.rank,
         alpha=2.0 * args.rank,
         dropout=args.dropout,
-        names=hf_module_name,
         quantize_base=quantize,
         quantize_untargeted=quantize is not None,
         rngs=nnx.Rngs(0),

@@ -172,6 +172,21 @@ def test_prompt_completion_counts_the_completion_and_eos_only(base, tok, tmp_pat
     assert tok.tokenizer.decode(c) == " return the sum"
 
 
+def test_prompt_is_each_examples_context_in_file_order(base, tok, tmp_path):
+    rows = [
+        {"prompt": "def f(a):", "completion": " return the sum"},
+        {"prompt": "class A:", "completion": " a thing"},
+    ]
+    data = FinetuneData(
+        write_jsonl(tmp_path / "d.jsonl", rows), tok, seq_len=32, batch_size=1, seed=0
+    )
+    for k, row in enumerate(rows):
+        want = tok.tokenizer.encode(row["prompt"], add_special_tokens=False).ids
+        assert data.prompt(k).tolist() == want
+    with pytest.raises(ValueError, match=r"k must be in \[0, 2\), got k=2"):
+        data.prompt(2)
+
+
 def test_an_empty_prompt_leaves_the_first_token_unpredicted(tok, tmp_path):
     """Nothing comes before an example's first token, so it is never a target, even when it
     starts the completion: counted = the completion's other tokens + the eos."""

@@ -71,9 +71,19 @@ def test_validation_loss_falls_and_the_base_is_nf4(full_run):
     assert evals[-1] < evals[0] - 0.1, evals
     assert (run_dir / "loss.png").stat().st_size > 0
     model = result["model"]
-    layer = model.blocks[0].attn.q
+    layer = model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, rl.LoRALinear) and isinstance(layer.base, rl.NF4Linear)
     assert len(result["adapted"]) == 14  # 7 projections x 2 blocks
+
+
+def test_a_sample_is_printed_before_and_after_training(full_run):
+    _, result = full_run
+    samples = result["samples"]
+    assert sorted(samples) == [0, 8]
+    # The same greedy prompt, the base's random completion, then the tuned model's: 8 updates
+    # on signatures and their docs move it to the data's words.
+    assert samples[0] != samples[8]
+    assert any(word in samples[8] for word in ("Return", "times", "plus")), samples
 
 
 def test_peft_loads_the_adapter_and_computes_rudax_logits(full_run, base_dir):
@@ -82,15 +92,15 @@ def test_peft_loads_the_adapter_and_computes_rudax_logits(full_run, base_dir):
     twin = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     with torch.no_grad():
         for i, layer in enumerate(twin.model.layers):
-            ours = model.blocks[i]
+            ours = model.model.layers[i]
             pairs = [
-                (layer.self_attn.q_proj, ours.attn.q),
-                (layer.self_attn.k_proj, ours.attn.k),
-                (layer.self_attn.v_proj, ours.attn.v),
-                (layer.self_attn.o_proj, ours.attn.out),
-                (layer.mlp.gate_proj, ours.mlp.gate),
-                (layer.mlp.up_proj, ours.mlp.up),
-                (layer.mlp.down_proj, ours.mlp.down),
+                (layer.self_attn.q_proj, ours.self_attn.q_proj),
+                (layer.self_attn.k_proj, ours.self_attn.k_proj),
+                (layer.self_attn.v_proj, ours.self_attn.v_proj),
+                (layer.self_attn.o_proj, ours.self_attn.o_proj),
+                (layer.mlp.gate_proj, ours.mlp.gate_proj),
+                (layer.mlp.up_proj, ours.mlp.up_proj),
+                (layer.mlp.down_proj, ours.mlp.down_proj),
             ]
             for theirs, lora in pairs:
                 w = np.asarray(rk.nf4_dequantize(lora.base.weight, jnp.float32))
@@ -99,7 +109,7 @@ def test_peft_loads_the_adapter_and_computes_rudax_logits(full_run, base_dir):
     ids = np.random.default_rng(0).integers(0, 300, size=(2, 32))
     with torch.no_grad():
         want = tuned(torch.tensor(ids)).logits.double().numpy()
-    got = np.asarray(model(jnp.asarray(ids, jnp.int32))[0], np.float64)
+    got = np.asarray(model(jnp.asarray(ids, jnp.int32)), np.float64)
     # The adapters moved: the adapted logits differ from the base's by far more than rounding.
     with torch.no_grad(), tuned.disable_adapter():
         plain = tuned(torch.tensor(ids)).logits.double().numpy()

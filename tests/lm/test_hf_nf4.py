@@ -176,20 +176,12 @@ def test_streamed_nf4_load_stays_within_the_model_plus_twice_the_largest_tensor(
     sampling can miss, and the sampled peak of anonymous memory. The control is the same load
     keeping a copy of every tensor read: more than the bound by construction.
     """
-    from examples.finetune.synthetic import write_random_llama
-    from examples.lm.model import GPTConfig
+    from benchmarks.random_llama import llama_config, write_random_llama
 
     # Shaped like a real Llama, whose largest tensors are the embedding and the head (32000 x
     # 512 here, 33 MB each in bf16); 44M parameters, 88 MB in bf16.
-    config = GPTConfig(
-        vocab_size=32000,
-        seq_len=64,
-        d_model=512,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=2,
-        tie_embeddings=False,
-        fused_qkv=False,
+    config = llama_config(
+        vocab_size=32000, hidden_size=512, layers=4, heads=8, kv_heads=2, seq_len=64
     )
     info = write_random_llama(tmp_path / "base", config)
     out = subprocess.run(
@@ -214,6 +206,6 @@ def test_streamed_nf4_load_stays_within_the_model_plus_twice_the_largest_tensor(
     # And it is the saving QLoRA promises: per 64 weights 32 bytes of codes and one absmax
     # code, per 16384 one fp32 scale: 0.258 of the projections' bf16 bytes.
     c = config
-    norms = (2 * c.n_layers + 1) * c.d_model
-    projections_bf16 = 2 * (info["parameters"] - 2 * c.vocab_size * c.d_model - norms)
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+    projections_bf16 = 2 * (info["parameters"] - 2 * c.vocab_size * c.hidden_size - norms)
     assert m["quantized_bytes"] <= 0.27 * projections_bf16, (m, projections_bf16)

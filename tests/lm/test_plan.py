@@ -24,12 +24,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 import rudax.layers as rl
+import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.finetune.train import make_steps as finetune_steps
 from examples.lm import plan as pl
 from examples.lm import plan_xla
-from examples.lm.hf import hf_module_name
 from examples.lm.hf_config import config_to_hf
 from examples.lm.model import GPT, GPTConfig, shard
 from examples.lm.step import batch_spec, make_optimizer, make_steps, place
@@ -106,12 +106,14 @@ def test_finetuning_plan_agrees_with_xla(tmp_path, finetune):
     argv += ["--batch-size", "4", "--param-dtype", "bfloat16", "--compute-dtype", "float32"]
     args = pl.build_parser().parse_args(argv)
     plan = pl.make_plan(args)
-    # As examples.finetune builds the run: load_hf (here random weights) then apply_lora.
-    model = GPT(pl.model_of(args), rngs=nnx.Rngs(0))
+    # As examples.finetune builds the run: from_pretrained (here random weights) of the
+    # config.json, then apply_lora.
+    llama = rm.LlamaConfig.from_hf(json.loads(hf_config.read_text()), param_dtype=jnp.bfloat16)
+    model = rm.LlamaForCausalLM(llama, dtype=jnp.float32, rngs=nnx.Rngs(0))
     quantize = "nf4" if finetune == "qlora" else None
     rl.apply_lora(model, list(pl.PROJECTIONS), rank=8, alpha=16.0, dropout=0.05,
-                  names=hf_module_name, quantize_base=quantize,
-                  quantize_untargeted=quantize is not None, rngs=nnx.Rngs(0))  # fmt: skip
+                  quantize_base=quantize, quantize_untargeted=quantize is not None,
+                  rngs=nnx.Rngs(0))  # fmt: skip
     model.eval()
     eval_def = nnx.graphdef(model)
     model.train()

@@ -1,19 +1,20 @@
 """QLoRA benchmark: rudax NF4 and bf16 LoRA against transformers + peft, the same train step.
 
-    python -m examples.finetune.bench                      # the table, 3 alternating rounds
-    python -m examples.finetune.bench --prep --json b.json # + streamed preparation's memory
-    python -m examples.finetune.bench --rounds 0 --prep    # the preparation part alone
+    python -m benchmarks.qlora                      # the table, 3 alternating rounds
+    python -m benchmarks.qlora --prep --json b.json # + streamed preparation's memory
+    python -m benchmarks.qlora --rounds 0 --prep    # the preparation part alone
 
-One random Llama (``examples.finetune.synthetic.write_random_llama``: bf16 safetensors, the
+One random Llama (``benchmarks.random_llama.write_random_llama``: bf16 safetensors, the
 files ``save_pretrained`` writes) is written to a temporary directory and deleted after. Each
 round runs every arm once, each in a fresh child process (so its peak memory is its own), in
 an order that rotates round by round:
 
-* ``rudax QLoRA``: ``load_hf(quantize="nf4", param_dtype=bf16, dtype=fp32)`` (every
+* ``rudax QLoRA``: ``rudax.models.from_pretrained(quantize="nf4", param_dtype=bf16,
+  dtype=fp32)`` (every
   projection an ``NF4Linear``, the embedding, norms and head stored bf16), ``apply_lora`` on
   all seven projections, and the train step of ``examples/finetune/train.py`` (its
   ``make_steps``): ``micro``
-  (``labelled_loss_sum``, ``nnx.value_and_grad`` over ``LoRAParam`` only,
+  (``rudax.models.causal_lm_loss_sum``, ``nnx.value_and_grad`` over ``LoRAParam`` only,
   ``GradientAccumulator.add`` weighted by counted tokens) then ``apply`` (``pop``, global-norm
   clipping, AdamW on the fp32 adapters), one microbatch per update;
 * ``rudax bf16 LoRA``: the same with ``quantize=None``: the base stored bf16, computed fp32;
@@ -52,7 +53,7 @@ weights 32 bytes of codes and 1 of absmax code, per 16,384 one fp32 scale: 0.258
 the embedding and head of a small-vocabulary model stay bf16 and weigh heavily in the whole.
 
 ``--prep`` writes a ~200M-parameter checkpoint (~400 MB bf16) and measures, in a fresh
-process, the peak anonymous memory of ``load_hf(quantize="nf4")`` (the first load, cold:
+process, the peak anonymous memory of ``from_pretrained(quantize="nf4")`` (the first load, cold:
 the quantizer's compilation included, after JAX's CPU client started, measured alone; the
 second, steady state) against the bound "the NF4 model + twice the largest tensor"
 (tests/lm/test_hf_nf4.py asserts it at 25M parameters).
@@ -74,7 +75,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("rudax_nf4", "rudax_bf16", "torch", "bnb")
 LABELS = {
     "rudax_nf4": "rudax QLoRA (NF4 base, fp32 compute)",
@@ -99,27 +100,27 @@ TARGET_SPEED_RATIO = 1.0  # rudax QLoRA tokens/s / transformers + peft LoRA toke
 
 
 def _config(args: argparse.Namespace, *, prep: bool = False):
-    from examples.lm.model import GPTConfig
+    from benchmarks.random_llama import llama_config
 
     if prep:
         sizes = dict(
             vocab_size=args.prep_vocab,
-            d_model=args.prep_d_model,
-            n_layers=args.prep_layers,
-            n_heads=args.prep_heads,
-            n_kv_heads=args.prep_kv_heads,
+            hidden_size=args.prep_d_model,
+            layers=args.prep_layers,
+            heads=args.prep_heads,
+            kv_heads=args.prep_kv_heads,
         )
         seq = 2048
     else:
         sizes = dict(
             vocab_size=args.vocab,
-            d_model=args.d_model,
-            n_layers=args.layers,
-            n_heads=args.heads,
-            n_kv_heads=args.kv_heads,
+            hidden_size=args.d_model,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
         )
         seq = args.seq
-    return GPTConfig(seq_len=seq, tie_embeddings=False, fused_qkv=False, **sizes)
+    return llama_config(seq_len=seq, **sizes)
 
 
 def _ids(args: argparse.Namespace):
@@ -156,19 +157,20 @@ def _rudax_arm(directory: Path, args: argparse.Namespace, quantize: str | None) 
     from flax import nnx
 
     import rudax.layers as rl
+    import rudax.models as rm
     import rudax.optim as ro
     from examples.finetune.train import make_steps
-    from examples.lm.hf import hf_module_name, load_hf
 
     with jax.numpy_dtype_promotion("strict"):  # as the program runs
-        model = load_hf(directory, param_dtype=jnp.bfloat16, dtype=jnp.float32, quantize=quantize)
+        model = rm.from_pretrained(
+            directory, param_dtype=jnp.bfloat16, dtype=jnp.float32, quantize=quantize
+        )
         rl.apply_lora(
             model,
             list(PROJECTIONS),
             rank=args.rank,
             alpha=args.alpha,
             dropout=args.dropout,
-            names=hf_module_name,
             rngs=nnx.Rngs(0),
         )
         model.train()
@@ -318,7 +320,7 @@ def _run_child(arm: str, directory: Path, argv: list[str], *, malloc_env: bool =
     """Runs one arm in a fresh process, sampling its RssAnon every millisecond from here."""
     from examples.lm.host_memory import MALLOC_ENV
 
-    cmd = [sys.executable, "-m", "examples.finetune.bench", *argv]
+    cmd = [sys.executable, "-m", "benchmarks.qlora", *argv]
     cmd += ["--child", arm, "--model-dir", str(directory)]
     env = dict(os.environ, **(MALLOC_ENV if malloc_env else {}), **OMP_ENV)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -437,7 +439,7 @@ def _prep_child(directory: Path) -> dict[str, Any]:
     from flax import nnx
 
     import rudax.layers as rl
-    from examples.lm.hf import load_hf
+    from rudax.models import from_pretrained
 
     result: dict[str, Any] = {}
     for phase in _PREP_PHASES:
@@ -459,7 +461,7 @@ def _prep_child(directory: Path) -> dict[str, Any]:
         if phase == "start":
             model = jax.block_until_ready(jnp.zeros(()))
         else:
-            model = load_hf(directory, param_dtype=jnp.bfloat16, quantize="nf4")
+            model = from_pretrained(directory, param_dtype=jnp.bfloat16, quantize="nf4")
         done.set()
         sampler.join()
         seconds = time.perf_counter() - start
@@ -480,7 +482,7 @@ def _prep_child(directory: Path) -> dict[str, Any]:
 
 def prep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Writes the ~200M checkpoint, measures two loads in a fresh process, deletes it."""
-    from examples.finetune.synthetic import write_random_llama
+    from benchmarks.random_llama import write_random_llama
 
     directory = Path(tempfile.mkdtemp(prefix="rudax-prep-bench-"))
     try:
@@ -528,7 +530,7 @@ def prep_report(p: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m examples.finetune.bench", description=(__doc__ or "").splitlines()[0]
+        prog="python -m benchmarks.qlora", description=(__doc__ or "").splitlines()[0]
     )
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (0: --prep only)")
     p.add_argument("--steps", type=int, default=6, help="timed updates per arm per round")
@@ -580,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         directory = Path(tempfile.mkdtemp(prefix="rudax-qlora-bench-"))
         rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
         try:
-            from examples.finetune.synthetic import write_random_llama
+            from benchmarks.random_llama import write_random_llama
 
             info = write_random_llama(directory, config)
             names = list(args.arms)
@@ -595,7 +597,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"\nLoRA r={args.rank} alpha={args.alpha:g} dropout={args.dropout:g} on all 7 "
             f"projections of a random Llama: {info['parameters']:,} parameters, {args.layers} x "
-            f"{args.d_model} ({args.heads} heads, {args.kv_heads} kv, MLP {config.mlp_hidden}), "
+            f"{args.d_model} ({args.heads} heads, {args.kv_heads} kv, "
+            f"MLP {config.intermediate_size}), "
             f"vocab {args.vocab}; batch {args.batch} x {args.seq} tokens, fp32 compute, AdamW "
             f"on the adapters; {os.cpu_count()} CPU threads; {args.rounds} alternating rounds "
             f"of {args.steps} timed updates, a fresh process per arm per round; medians, "

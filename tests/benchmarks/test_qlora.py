@@ -1,4 +1,4 @@
-"""examples/finetune/bench.py: the benchmark's own logic at a tiny size (its figures are the
+"""benchmarks/qlora.py: the benchmark's own logic at a tiny size (its figures are the
 run's, not the test's): per-round ratios to transformers + peft, the table, the byte counts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from examples.finetune import bench
+from benchmarks import qlora as bench
 
 TINY = ["--batch", "2", "--seq", "32", "--vocab", "256", "--d-model", "64", "--layers", "1"]
 TINY += ["--heads", "2", "--kv-heads", "1"]

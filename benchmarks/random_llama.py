@@ -1,6 +1,6 @@
 """A random Llama checkpoint of any size, written tensor by tensor: a base to measure with.
 
-    python -m examples.finetune.synthetic OUT_DIR --d-model 1024 --n-layers 12   # ~200M
+    python -m benchmarks.random_llama OUT_DIR --hidden-size 1024 --layers 12   # ~200M
 
 Streamed preparation must be measured on a checkpoint much larger than the test models, and
 none may be downloaded. This writes what ``save_pretrained`` writes for a
@@ -12,7 +12,9 @@ time, so making a 400 MB checkpoint never holds more than one shard's tensors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -23,48 +25,75 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from examples.lm.hf import INDEX
-from examples.lm.hf_config import CONFIG, config_to_hf
-from examples.lm.model import GPTConfig
+from rudax.models import LlamaConfig
+
+CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 
 # Tensors per shard file, at most this many bytes (transformers' own default is 5 GB).
 _SHARD_BYTES = 100 * 2**20
 
 
-def _tensors(c: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of every tensor of a dense Llama with config c, in HF's order."""
-    d, kv = c.d_model, c.n_kv_heads * c.head_dim
-    hidden = c.mlp_hidden
+def _tensors(c: LlamaConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor of a Llama with config c, in HF's order."""
+    assert c.num_key_value_heads is not None and c.head_dim is not None  # filled when built
+    d, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    hidden = c.intermediate_size
     yield "model.embed_tokens.weight", (c.vocab_size, d)
-    for i in range(c.n_layers):
+    for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", (d,)
-        yield f"{p}.self_attn.q_proj.weight", (c.n_heads * c.head_dim, d)
+        yield f"{p}.self_attn.q_proj.weight", (q, d)
         yield f"{p}.self_attn.k_proj.weight", (kv, d)
         yield f"{p}.self_attn.v_proj.weight", (kv, d)
-        yield f"{p}.self_attn.o_proj.weight", (d, c.n_heads * c.head_dim)
+        yield f"{p}.self_attn.o_proj.weight", (d, q)
         yield f"{p}.post_attention_layernorm.weight", (d,)
         yield f"{p}.mlp.gate_proj.weight", (hidden, d)
         yield f"{p}.mlp.up_proj.weight", (hidden, d)
         yield f"{p}.mlp.down_proj.weight", (d, hidden)
     yield "model.norm.weight", (d,)
-    if not c.tie_embeddings:
+    if not c.tie_word_embeddings:
         yield "lm_head.weight", (c.vocab_size, d)
 
 
-def parameters(config: GPTConfig) -> int:
+def llama_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    seq_len: int = 2048,
+    intermediate_size: int | None = None,
+) -> LlamaConfig:
+    """An untied Llama of these sizes; the MLP SwiGLU's ``8/3 * hidden_size`` rounded up to a
+    multiple of 64 unless given (the parameter count of a 4x GELU MLP)."""
+    if intermediate_size is None:
+        intermediate_size = math.ceil(8 * hidden_size / 3 / 64) * 64
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq_len,
+    )
+
+
+def parameters(config: LlamaConfig) -> int:
     """The checkpoint's parameter count."""
     return sum(int(np.prod(shape)) for _, shape in _tensors(config))
 
 
 def write_random_llama(
-    out_dir: str | os.PathLike, config: GPTConfig, *, seed: int = 0
+    out_dir: str | os.PathLike, config: LlamaConfig, *, seed: int = 0
 ) -> dict[str, Any]:
     """Writes a random ``LlamaForCausalLM`` checkpoint of ``config`` in bf16 under out_dir.
 
     Args:
       out_dir: the folder (created if need be).
-      config: a dense ``GPTConfig`` without ``qkv_bias``.
+      config: a ``rudax.models.LlamaConfig`` without biases (its ``param_dtype`` is not
+        used: the files are bf16).
       seed: the weights' seed.
 
     Returns:
@@ -72,17 +101,19 @@ def write_random_llama(
 
     Example:
       >>> import tempfile
-      >>> from examples.finetune.synthetic import write_random_llama
-      >>> from examples.lm.model import GPTConfig
-      >>> c = GPTConfig(vocab_size=64, seq_len=8, d_model=64, n_layers=1, n_heads=2)
+      >>> from benchmarks.random_llama import write_random_llama
+      >>> from rudax.models import LlamaConfig
+      >>> c = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=192,
+      ...                 num_hidden_layers=1, num_attention_heads=2)
       >>> write_random_llama(tempfile.mkdtemp(), c)["parameters"]
-      57536
+      61632
     """
-    if config.qkv_bias or config.num_experts:
-        raise ValueError("write_random_llama writes a dense Llama: no qkv_bias, no experts")
+    if config.qkv_bias or config.o_bias or config.mlp_bias:
+        raise ValueError("write_random_llama writes a Llama without biases")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG).write_text(json.dumps(config_to_hf(config), indent=1) + "\n")
+    hf = dataclasses.replace(config, param_dtype="bfloat16").to_hf()
+    (out / CONFIG).write_text(json.dumps(hf, indent=1) + "\n")
     rng = np.random.default_rng(seed)
     weight_map: dict[str, str] = {}
     shard: dict[str, np.ndarray] = {}
@@ -115,27 +146,27 @@ def write_random_llama(
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
-        prog="python -m examples.finetune.synthetic",
+        prog="python -m benchmarks.random_llama",
         description="Writes a random bf16 Llama checkpoint (config.json + safetensors shards).",
     )
     p.add_argument("out_dir")
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--n-layers", type=int, default=12)
-    p.add_argument("--n-heads", type=int, default=16)
-    p.add_argument("--n-kv-heads", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--intermediate-size", type=int, help="default: SwiGLU's 8/3, to 64")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
-    config = GPTConfig(
+    config = llama_config(
         vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
         seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
-        tie_embeddings=False,
-        fused_qkv=False,
+        intermediate_size=args.intermediate_size,
     )
     info = write_random_llama(args.out_dir, config, seed=args.seed)
     print(f"{args.out_dir}: {info['parameters']:,} parameters in {len(info['files'])} files")
