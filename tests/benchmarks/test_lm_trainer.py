@@ -1,5 +1,5 @@
-"""examples/lm/bench.py and its parts: the references compute the trainer's model and update
-(``flax_ref.py``, ``arms.py`` driving ``torch_ref.py``), the statistics (``stats.py``), the
+"""benchmarks/lm_trainer.py and its parts: the references compute the trainer's model and update
+(``_flax_gpt.py``, ``_lm_arms.py`` driving ``_torch_gpt.py``), the statistics (``_stats.py``), the
 harness and its report (``bench.py``).
 
 The benchmark's ratios mean something only if every arm trains the same model the same way:
@@ -26,11 +26,11 @@ import optax
 import pytest
 from flax import nnx
 
-import examples.lm.bench as bench
-import examples.lm.stats as stats
-from examples.lm.arms import TorchArm, torch_spec
+import benchmarks._stats as stats
+import benchmarks.lm_trainer as bench
+from benchmarks._flax_gpt import RefGPT, flat_params
+from benchmarks._lm_arms import TorchArm, torch_spec
 from examples.lm.config import build_parser
-from examples.lm.flax_ref import RefGPT, flat_params
 from examples.lm.model import GPT, loss_sum
 from examples.lm.step import make_optimizer, model_config
 

@@ -8,12 +8,12 @@ next-token cross entropy in fp32, and ``optax.clip_by_global_norm`` + ``optax.ad
 trainer's schedule and decay mask (the matrices, not the norms or the embedding). Its parameters
 are fp32: plain optax has no master weights, so fp32 storage *is* its master copy.
 
-It serves twice. ``examples.lm.bench`` times it as the flax+optax baseline (``flax_arm``), and
+It serves twice. ``benchmarks.lm_trainer`` times it as the flax+optax baseline (``flax_arm``), and
 because it computes the same function from the same weights it cross-checks the rudax model:
 the bench stops if the arms' initial losses differ, and ``tests/lm/test_bench.py`` checks that
 at fp32 storage its training trajectory is the trainer's. Weights travel between the models as
 ``flat_params``: fp32 arrays under the rudax model's dotted ``nnx`` paths, the same ``.npz``
-layout ``examples/lm/torch_ref.py`` reads.
+layout ``benchmarks/_torch_gpt.py`` reads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from examples.lm.arms import JaxArm
+from benchmarks._lm_arms import JaxArm
 from examples.lm.model import GPTConfig
 
 

@@ -1,6 +1,6 @@
 """The benchmark's statistics: a t-interval for the geometric mean of per-round ratios.
 
-``examples.lm.bench`` reports, for each reference arm, the per-round ratio of rudax's tokens/s
+``benchmarks.lm_trainer`` reports, for each reference arm, the per-round ratio of rudax's tokens/s
 to the reference's. Rounds are the samples: the log ratios' mean and a Student t-interval on
 it give the geometric mean ratio and its 95% interval. The t-quantile is computed here from
 the exact CDF for integer degrees of freedom, so the benchmark needs no scipy.
@@ -33,7 +33,7 @@ def t_quantile(p: float, df: int) -> float:
     factor of a two-sided 95% interval.
 
     Example:
-      >>> from examples.lm.stats import t_quantile
+      >>> from benchmarks._stats import t_quantile
       >>> round(t_quantile(0.975, 4), 4)
       2.7764
     """
@@ -54,7 +54,7 @@ def ratio_interval(ratios: Sequence[float]) -> tuple[float, float, float]:
     """Geometric mean of per-round ratios and its 95% t-interval (on the log ratios).
 
     Example:
-      >>> from examples.lm.stats import ratio_interval
+      >>> from benchmarks._stats import ratio_interval
       >>> [round(x, 3) for x in ratio_interval([1.0, 1.1, 0.9, 1.05])]
       [1.01, 0.881, 1.158]
     """

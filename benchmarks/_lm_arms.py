@@ -1,13 +1,13 @@
 """The benchmark's two kinds of arm: a jitted step in this process, a PyTorch step in a child.
 
-``examples.lm.bench`` times every arm the same way (``benchmarks._timing.alternate``), so every
+``benchmarks.lm_trainer`` times every arm the same way (``benchmarks._timing.alternate``), so every
 arm has the same face: calling it runs one training step, ``warmup(n)`` runs the first ``n``
 steps and returns the first one's time (compilation included), the rest's time and the first
 step's loss, and ``loss`` is the last step's loss.
 
 * ``JaxArm``: a jitted step and its state (the rudax arm, ``bench.rudax_arm``; the flax+optax
-  arm, ``flax_ref.flax_arm``). A call dispatches the step asynchronously, as training does.
-* ``TorchArm``: ``examples/lm/torch_ref.py`` in a child process, driven over its JSON-lines
+  arm, ``_flax_gpt.flax_arm``). A call dispatches the step asynchronously, as training does.
+* ``TorchArm``: ``benchmarks/_torch_gpt.py`` in a child process, driven over its JSON-lines
   protocol (described in that file's docstring); a call sends "run 1" and waits for the
   answer, so the parent's clock times the torch step like the others. ``torch_spec`` is what
   the child builds, ``torch_python`` the interpreter that runs it: rudax does not depend on
@@ -34,7 +34,7 @@ import jax
 
 from examples.lm.model import GPTConfig
 
-TORCH_REF = Path(__file__).with_name("torch_ref.py")
+TORCH_REF = Path(__file__).with_name("_torch_gpt.py")
 
 
 @dataclasses.dataclass
@@ -67,7 +67,7 @@ class JaxArm:
 
 
 class TorchArm:
-    """``torch_ref.py`` in a child process; calling it runs one step there and waits for it."""
+    """``_torch_gpt.py`` in a child process; calling it runs one step there and waits for it."""
 
     def __init__(
         self, python: str, spec: dict, workdir: Path, mode: str, *, env: dict | None = None
@@ -136,7 +136,7 @@ class TorchArm:
 def torch_spec(
     args: argparse.Namespace, config: GPTConfig, compute_dtype: str, *, threads: int, workdir: Path
 ) -> dict:
-    """What ``torch_ref.py`` builds: the model's shape, the trainer's hyperparameters, threads.
+    """What ``_torch_gpt.py`` builds: the model's shape, the trainer's hyperparameters, threads.
 
     The weights and batch go to ``spec["arrays"]``, an ``.npz`` the caller writes.
     """

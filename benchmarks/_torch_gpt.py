@@ -1,4 +1,4 @@
-"""The PyTorch reference of ``examples/lm/model.py``'s dense GPT, served to ``examples.lm.bench``.
+"""The PyTorch reference of ``examples/lm/model.py``'s dense GPT, for ``benchmarks.lm_trainer``.
 
 The same architecture, written the way a PyTorch user would: ``nn.Embedding`` tied to the
 head (``F.linear(x, embed.weight)``), ``nn.RMSNorm``, one bias-free ``qkv`` projection read as
@@ -12,12 +12,12 @@ or the embedding, as the trainer) with the trainer's linear-warmup-cosine learni
 bf16 copy (its AMP casts per op); with ``compute_dtype="bfloat16"`` the step runs under
 ``torch.autocast("cpu", torch.bfloat16)``.
 
-This file imports only torch, numpy and the standard library: ``examples.lm.arms.TorchArm``
+This file imports only torch, numpy and the standard library: ``benchmarks._lm_arms.TorchArm``
 runs it for ``bench`` as a child process with a Python that has torch (rudax does not depend
 on torch), so the benchmark's arms alternate in one process tree.
 The protocol, one JSON object per line::
 
-    argv:    torch_ref.py SPEC.json          (config, hyperparameters, mode, threads, arrays)
+    argv:    _torch_gpt.py SPEC.json          (config, hyperparameters, mode, threads, arrays)
     child -> {"event": "ready", "torch": version, "threads": n}
     parent -> "warmup N"   child -> {"event": "warm", "first_s": ..., "rest_s": ...,
                                      "first_loss": loss before the first update, "loss": ...}

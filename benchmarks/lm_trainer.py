@@ -1,8 +1,8 @@
 """Paired A/B benchmark: the rudax trainer's step against flax+optax and PyTorch, same GPT.
 
-    python -m examples.lm.bench                                   # the trainer's default model
-    python -m examples.lm.bench --config tiny --rounds 3          # a quick look
-    python -m examples.lm.bench --torch-python .venv/bin/python --json bench.json
+    python -m benchmarks.lm_trainer                                   # the trainer's default model
+    python -m benchmarks.lm_trainer --config tiny --rounds 3          # a quick look
+    python -m benchmarks.lm_trainer --torch-python .venv/bin/python --json bench.json
 
 Every arm times full training steps (forward, backward, gradient clipping, AdamW update) of
 the same dense GPT (``examples/lm/model.py``), from the same initial weights, on the same
@@ -15,15 +15,15 @@ batch of ``batch_size x seq_len`` random token ids (the data pipeline is not tim
   default, bf16) with fp32 masters, compute in ``--compute-dtype`` (the trainer's default:
   fp32), the other hyperparameters the trainer's defaults.
 * ``flax+optax``: the same model in plain ``nnx.Linear``/``nnx.Embed``/``nnx.RMSNorm``
-  (``RefGPT`` in ``examples/lm/flax_ref.py``), mean cross entropy,
+  (``RefGPT`` in ``benchmarks/_flax_gpt.py``), mean cross entropy,
   ``optax.clip_by_global_norm`` + ``optax.adamw`` (same decay mask and schedule), one
   ``jax.jit`` step with the parameters and optimizer state donated. Its parameters are fp32:
   plain optax has no master weights, so fp32 storage *is* its fp32 master; the compute dtype
   is the same.
-* ``torch`` and ``torch.compile``: ``examples/lm/torch_ref.py`` in child processes (eager, and
+* ``torch`` and ``torch.compile``: ``benchmarks/_torch_gpt.py`` in child processes (eager, and
   the loss under ``torch.compile``), fp32 parameters, ``AdamW(fused=True)``, run by
   ``--torch-python`` (default: this interpreter if it has torch, else those arms are skipped
-  with the reason) and driven by ``TorchArm`` (``examples/lm/arms.py``). rudax does not
+  with the reason) and driven by ``TorchArm`` (``benchmarks/_lm_arms.py``). rudax does not
   depend on torch: ``pip install torch==2.13.0`` into any environment and pass its Python.
 
 Each arm first runs ``--warmup`` steps; its first step (compilation included) is reported
@@ -42,7 +42,7 @@ stored weights, not a different update: at fp32 storage the trajectories agree).
 Reported: tokens/s per round per arm, each arm's mean and sample standard deviation, and for
 each reference the per-round paired ratio of rudax's tokens/s to its own: median [min, max]
 and the geometric mean with a 95% Student t-interval on the log ratios (rounds are the
-samples; ``examples/lm/stats.py``). MFU is ``tokens/s * flops_per_token(config)`` over the
+samples; ``benchmarks/_stats.py``). MFU is ``tokens/s * flops_per_token(config)`` over the
 machine's peak, measured in the same run as the fastest of a few fp32 2048x2048 matmuls in
 jax, numpy and torch (before and after the rounds: the best of both, so a busy moment does not
 lower the peak). The environment's ``XLA_FLAGS`` are recorded and printed with the table: XLA's
@@ -54,8 +54,8 @@ block back to the system on ``free``, and the next step faults it in again page 
 the 2-core VM this was a fifth of a rudax step and a tenth of a torch step.
 
 This file is the harness: presets, the rudax arm, the peak, the command line and the report.
-The arms' machinery lives in ``examples/lm/arms.py`` (``JaxArm``, ``TorchArm``), the
-references in ``examples/lm/flax_ref.py`` and ``examples/lm/torch_ref.py``.
+The arms' machinery lives in ``benchmarks/_lm_arms.py`` (``JaxArm``, ``TorchArm``), the
+references in ``benchmarks/_flax_gpt.py`` and ``benchmarks/_torch_gpt.py``.
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ import numpy as np
 from flax import nnx
 
 import rudax.optim as ro
+from benchmarks._flax_gpt import flat_params, flax_arm
+from benchmarks._lm_arms import JaxArm, TorchArm, torch_python, torch_spec
+from benchmarks._stats import ratio_interval
 from benchmarks._timing import alternate, ratio_summary
-from examples.lm.arms import JaxArm, TorchArm, torch_python, torch_spec
 from examples.lm.config import build_parser
-from examples.lm.flax_ref import flat_params, flax_arm
 from examples.lm.host_memory import MALLOC_ENV, retain_freed_memory
 from examples.lm.model import GPT, flops_per_token
 from examples.lm.report import format_table
-from examples.lm.stats import ratio_interval
 from examples.lm.step import make_optimizer, make_steps, model_config
 
 ARMS = ("rudax", "flax+optax", "torch", "torch.compile")
@@ -121,7 +121,7 @@ def trainer_args(preset: str, compute_dtype: str, param_dtype: str) -> argparse.
     clip + AdamW (Muon differs in detail between optax.contrib, torch and rudax).
 
     Example:
-      >>> from examples.lm.bench import trainer_args
+      >>> from benchmarks.lm_trainer import trainer_args
       >>> args = trainer_args("tiny", "float32", "bfloat16")
       >>> args.optimizer, args.d_model, args.param_dtype
       ('adamw', 64, 'bfloat16')
@@ -201,7 +201,7 @@ def _arm_list(text: str) -> list[str]:
 
 def build_bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m examples.lm.bench",
+        prog="python -m benchmarks.lm_trainer",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # ------------------------------------------------------------------------- report
     fpt = flops_per_token(config)
     result: dict[str, Any] = {
-        "command": "python -m examples.lm.bench "
+        "command": "python -m benchmarks.lm_trainer "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {
             **dataclasses.asdict(config),
