@@ -1,4 +1,4 @@
-"""Fine-tuning batches: a JSONL file tokenized with the base's tokenizer, packed or padded
+"""Fine-tuning batches: a JSONL (or .txt) file tokenized with the base's tokenizer, packed or padded
 into labelled rows, batch ``i`` a pure function of (the file, the seed, ``i``).
 
 Tokens. ``load_tokenizer`` reads the base directory's ``tokenizer.json``. Its eos id is the
@@ -20,7 +20,9 @@ template, ``examples.finetune.template``'s plain one is used.
 Labels are causal and already shifted, TRL's completion-only loss: ``labels[t]`` is the
 token after ``tokens[t]`` where the template counts that token, -100 elsewhere (prompt and
 chat context, padding, an example's last token). An example longer than ``seq_len`` is an
-error naming its line by default (``too_long="error"``); ``too_long="drop"`` leaves such
+error naming its line by default (``too_long="error"``), except a ``text`` document, which is
+cut into rows of ``seq_len`` tokens (each row's first token has no context, so it is not a
+target); ``too_long="drop"`` leaves such
 examples out and lists their lines in ``dropped``. Nothing is truncated: a cut completion
 loses its eos and would teach the model not to stop.
 
@@ -266,7 +268,7 @@ class FinetuneData:
                 texts.append(segment.text)
         encode = getattr(tok.tokenizer, "encode_batch_fast", tok.tokenizer.encode_batch)
         encoded = iter(encode(texts, add_special_tokens=False))
-        ids, targets, lines, dropped = [], [], [], []
+        ids, targets, lines, dropped, plain = [], [], [], [], []
         for record in records:
             # A chat rendered by the tokenizer's template carries its own bos, as
             # apply_chat_template's text does: the post-processor's is not added again.
@@ -281,6 +283,24 @@ class FinetuneData:
             # A position is a target if the token there is counted; the first has no context.
             target = np.array([f for p in flags for f in p], bool)
             target[:1] = False
+            if vocab_size is not None and int(example.max()) >= vocab_size:
+                raise DataError(
+                    f"{self.path}:{record.line}: token id {int(example.max())} is outside the "
+                    f"model's vocabulary of {vocab_size}: the tokenizer and the model differ"
+                )
+            if record.plain and example.size > self.seq_len:
+                # A text document is cut into rows, each row's first token without context.
+                for lo in range(0, example.size, self.seq_len):
+                    row = example[lo : lo + self.seq_len]
+                    if row.size < 2:
+                        continue  # a lone last token: nothing to predict it from
+                    flag = target[lo : lo + self.seq_len].copy()
+                    flag[0] = False
+                    ids.append(row)
+                    targets.append(flag)
+                    lines.append(record.line)
+                    plain.append(True)
+                continue
             if example.size > self.seq_len:
                 if self.too_long == "error":
                     raise DataError(
@@ -290,20 +310,17 @@ class FinetuneData:
                     )
                 dropped.append(record.line)
                 continue
-            if vocab_size is not None and int(example.max()) >= vocab_size:
-                raise DataError(
-                    f"{self.path}:{record.line}: token id {int(example.max())} is outside the "
-                    f"model's vocabulary of {vocab_size}: the tokenizer and the model differ"
-                )
             ids.append(example)
             targets.append(target)
             lines.append(record.line)
+            plain.append(record.plain)
         if not ids:
             raise DataError(
                 f"{self.path}: all {len(records)} examples are longer than "
                 f"seq_len={self.seq_len} (dropped by too_long='drop')"
             )
         self.lines = np.array(lines, np.int64)
+        self._plain = np.array(plain, bool)
         self.dropped = tuple(dropped)
         self.lengths = np.array([x.size for x in ids], np.int64)
         self.counted = np.array([int(t.sum()) for t in targets], np.int64)
@@ -337,10 +354,13 @@ class FinetuneData:
 
     def prompt(self, k: int) -> np.ndarray:
         """Example ``k``'s context (in file order, dropped examples left out): its tokens
-        before the first counted one, what the model is prompted with to answer it."""
+        before the first counted one, what the model is prompted with to answer it; for a
+        text document (every token counted), its first half, at most 32 tokens."""
         if not 0 <= k < self.num_examples:
             raise ValueError(f"k must be in [0, {self.num_examples}), got {k=}")
         lo, hi = self._starts[k], self._starts[k + 1]
+        if self._plain[k]:
+            return self._ids[lo : lo + max(1, min(32, (hi - lo) // 2))]
         counted = np.flatnonzero(self._targets[lo:hi])
         return self._ids[lo : lo + (int(counted[0]) if counted.size else hi - lo)]
 

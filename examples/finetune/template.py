@@ -1,12 +1,15 @@
 """Fine-tuning records: a JSONL file read and checked, each example as the segments it is
 tokenized from, and which of them the loss counts.
 
-One JSON object per line, in one of two forms::
+One JSON object per line, in one of three forms::
 
     {"prompt": "def add(a, b):", "completion": "Return the sum of a and b."}
     {"messages": [{"role": "system", "content": "..."},
                   {"role": "user", "content": "..."},
                   {"role": "assistant", "content": "..."}]}
+    {"text": "Any document: every token of it is learned."}
+
+or a plain ``.txt`` file, which is one ``text`` document.
 
 Lines holding only whitespace are skipped; every other line must be one of these objects,
 with no other field. Anything else is a ``DataError`` naming the file, the line and the
@@ -18,6 +21,9 @@ An example becomes a sequence of ``Segment``: a piece of text, or the end-of-seq
 * prompt/completion: the prompt, not counted; the completion, counted; the eos, counted.
   This is the completion-only loss of TRL's ``SFTTrainer``: the model learns to answer
   and to stop, never to produce the prompt. The prompt may be empty; the completion may not.
+* text: the text, counted, then the eos, counted: plain language modelling (continued
+  pretraining on a corpus). A document longer than a row is cut into rows
+  (``examples.finetune.data``), not refused.
 * messages, a plain ChatML-like template. Each turn renders as ``"<|{role}|>\\n"`` (not
   counted) followed by ``content + "\\n"``, and an assistant turn adds the eos after it::
 
@@ -43,6 +49,7 @@ from typing import Any, NamedTuple
 ROLES = ("system", "user", "assistant")
 PROMPT_FIELDS = ("prompt", "completion")
 CHAT_FIELDS = ("messages",)
+TEXT_FIELDS = ("text",)
 MESSAGE_FIELDS = ("role", "content")
 
 
@@ -68,6 +75,7 @@ class Record:
     line: int
     segments: tuple[Segment, ...]
     messages: tuple[dict[str, str], ...] | None = None  # a chat's turns, for its own template
+    plain: bool = False  # a text document: every token counted, cut into rows if long
 
 
 def chat_segments(messages: list[dict[str, str]]) -> tuple[Segment, ...]:
@@ -136,6 +144,8 @@ def read_records(path: str | os.PathLike) -> list[Record]:
       examples.finetune.template.DataError: ...train.jsonl:3: 'completion': missing (...)
     """
     path = Path(path)
+    if path.suffix == ".txt":
+        return [_text_file(path)]
     records = []
     for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
         where = f"{path}:{number}"
@@ -151,25 +161,48 @@ def read_records(path: str | os.PathLike) -> list[Record]:
             raise DataError(f"{where}: not valid JSON: {e.msg} at column {e.colno}") from None
         segments = _segments(obj, where)
         messages = tuple(obj["messages"]) if "messages" in obj else None
-        records.append(Record(number, segments, messages))
+        plain = isinstance(obj, dict) and "text" in obj
+        records.append(Record(number, segments, messages, plain))
     if not records:
         raise DataError(f"{path}: holds no example (one JSON object per line is expected)")
     return records
 
 
+def _text_file(path: Path) -> Record:
+    """A ``.txt`` file: one text document (line 1 stands for the whole file)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise DataError(f"{path}: holds no text")
+    return Record(1, _text_segments(text), None, True)
+
+
+def _text_segments(text: str) -> tuple[Segment, ...]:
+    return (Segment(text, True, "'text'"), Segment(None, True))
+
+
 def _segments(obj: Any, where: str) -> tuple[Segment, ...]:
     if not isinstance(obj, dict):
         raise DataError(
-            f"{where}: expected a JSON object with fields {PROMPT_FIELDS} or {CHAT_FIELDS}, "
-            f"got {type(obj).__name__} {_short(obj)}"
+            f"{where}: expected a JSON object with fields {PROMPT_FIELDS}, {CHAT_FIELDS} or "
+            f"{TEXT_FIELDS}, got {type(obj).__name__} {_short(obj)}"
         )
     if "messages" in obj:
         _check_fields(obj, CHAT_FIELDS, where, "a chat record")
         return chat_segments(_messages(obj["messages"], where))
+    if "text" in obj:
+        _check_fields(obj, TEXT_FIELDS, where, "a text record")
+        _check_str(obj["text"], f"{where}: 'text'")
+        if not obj["text"].strip():
+            raise DataError(f"{where}: 'text': empty ({obj['text']!r}): nothing to learn")
+        return _text_segments(obj["text"])
     if "prompt" not in obj and "completion" not in obj:
         raise DataError(
-            f"{where}: no 'prompt'/'completion' or 'messages' field (found {sorted(obj)}): "
-            'each line is {"prompt": ..., "completion": ...} or {"messages": [...]}'
+            f"{where}: no 'prompt'/'completion', 'messages' or 'text' field (found "
+            f'{sorted(obj)}): each line is {{"prompt": ..., "completion": ...}}, '
+            '{"messages": [...]} or {"text": ...}'
         )
     _check_fields(obj, PROMPT_FIELDS, where, "a prompt/completion record")
     prompt, completion = obj["prompt"], obj["completion"]

@@ -84,6 +84,7 @@ SESSION_FLAGS = (
     "resume",
     "stop_at",
     "export",
+    "merged",
     "name",
     "runs_dir",
     "run_dir",
@@ -113,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-at", type=int, help="stop after this update, as an interruption would")
     run.add_argument("--export", help="the PEFT adapter's directory (default: RUN/adapter)")
     run.add_argument(
+        "--merged",
+        metavar="DIR",
+        help="also write the tuned model, adapters folded in (merge_lora), as a Hugging Face "
+        "checkpoint with the base's tokenizer, in the base weights' dtype",
+    )
+    run.add_argument(
         "--sample-tokens",
         type=int,
         default=32,
@@ -121,8 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     base = p.add_argument_group("base and data (run flags)")
     base.add_argument("--base", help=f"the HF directory (default: {DEFAULT_BASE})")
-    base.add_argument("--data", help="training JSONL (default: the standard library set)")
-    base.add_argument("--val-data", help="validation JSONL (default: the set's val.jsonl)")
+    base.add_argument(
+        "--data",
+        help="training JSONL (prompt/completion, messages or text records) or a .txt file "
+        "(default: the standard library set)",
+    )
+    base.add_argument("--val-data", help="validation JSONL or .txt (default: the set's val.jsonl)")
     base.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     base.add_argument("--no-pack", dest="pack", action="store_false", help="one example per row")
     base.add_argument(
@@ -197,7 +208,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         args = _run_flags(args, run_dir, given)
     elif (run_dir / "config.json").exists():
         raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
-    _check_flags(args)
+    _check_flags(args, run_dir)
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
     base_dir = _base_dir(args.base)
     train_path, val_path, generated = _data_paths(args)
@@ -415,8 +426,13 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     if args.sample_tokens:
         samples[step] = _sample(model, tokenizer, sample_data, args.sample_tokens, f"update {step}")
     model.eval()
-    out = Path(args.export) if args.export else run_dir / "adapter"
+    out = _adapter_dir(args, run_dir)
     rl.save_adapter(model, out, base_model_name_or_path=str(base_dir))
+    if args.merged:
+        merged = nnx.clone(model)  # the returned model keeps its adapters
+        rl.merge_lora(merged)
+        rm.save_pretrained(merged, args.merged, tokenizer=base_dir)
+        print(f"merged model: {args.merged} (a Hugging Face checkpoint)")
     print(
         f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
         f"{_show(last['tokens_per_s'], ',.0f')} tokens/s\nmetrics: {log.path}\nloss curve: "
@@ -443,6 +459,7 @@ def make_steps(
     opt_state, acc, grad_norm)`` is the update; ``evaluate(adapters, rngs, base, batch)`` the
     metrics without a gradient. Nothing is donated (the adapters are small).
     """
+
     # nnx's grad: dropout advances its RNG counters inside the differentiated call.
     # (nnx's transforms resolve keyword arguments to positions and refuse a keyword-only one,
     # as causal_lm_loss_sum's chunk, even unused: the loss is called through a plain function.)
@@ -493,6 +510,10 @@ def _run_dir(args: argparse.Namespace) -> Path:
     return Path(args.runs_dir) / (args.name or time.strftime("finetune-%Y%m%d-%H%M%S"))
 
 
+def _adapter_dir(args: argparse.Namespace, run_dir: Path) -> Path:
+    return Path(args.export) if args.export else run_dir / "adapter"
+
+
 def _run_flags(
     args: argparse.Namespace, run_dir: Path, given: set[str] | None
 ) -> argparse.Namespace:
@@ -517,7 +538,7 @@ def _run_flags(
     return argparse.Namespace(**merged)
 
 
-def _check_flags(args: argparse.Namespace) -> None:
+def _check_flags(args: argparse.Namespace, run_dir: Path) -> None:
     positive = ("seq_len", "steps", "batch_size", "grad_accum", "rank", "eval_every")
     positive += ("eval_batches", "checkpoint_every", "keep", "alpha", "lr", "clip")
     for name in positive:
@@ -535,6 +556,23 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     if not 0 <= args.warmup < args.steps:
         raise UsageError(f"--warmup must be in [0, --steps), got {args.warmup}, {args.steps=}")
+    if args.merged:
+        merged = Path(args.merged)
+        if merged.exists() and not merged.is_dir():
+            raise UsageError(f"--merged {merged}: a file, not a directory")
+        base = Path(args.base) if args.base is not None else DEFAULT_BASE
+        if merged.resolve() == base.resolve():
+            raise UsageError(f"--merged {merged} is the base itself, which is only read")
+        if merged.resolve() == _adapter_dir(args, run_dir).resolve():
+            raise UsageError(f"--merged {merged} is the adapter's directory: write elsewhere")
+        if (merged / "model.safetensors.index.json").exists():
+            raise UsageError(f"--merged {merged} holds a sharded checkpoint: write elsewhere")
+        if args.quantize != "none" and set(args.targets) != set(ALL_PROJECTIONS):
+            raise UsageError(
+                f"--merged with --quantize {args.quantize} needs every projection adapted "
+                f"(--targets {','.join(ALL_PROJECTIONS)}): the others would stay 4-bit, "
+                "which a Hugging Face checkpoint cannot hold"
+            )
     if args.sample_tokens < 0:
         raise UsageError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
     if args.stop_at is not None and args.stop_at <= 0:

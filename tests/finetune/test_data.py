@@ -187,6 +187,33 @@ def test_prompt_is_each_examples_context_in_file_order(base, tok, tmp_path):
         data.prompt(2)
 
 
+def test_text_is_counted_whole_and_a_long_document_cut_into_rows(base, tok, tmp_path):
+    rng = random.Random(3)
+    text = " ".join(_sentence(rng, 12) for _ in range(6))
+    ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    (tmp_path / "corpus.txt").write_text(text)
+    write_jsonl(tmp_path / "short.jsonl", [{"text": "def f(a):"}])
+    short = FinetuneData(tmp_path / "short.jsonl", tok, seq_len=32, batch_size=1, seed=0)
+    s = tok.tokenizer.encode("def f(a):", add_special_tokens=False).ids
+    assert [x for x in short.batch(0)["labels"][0].tolist() if x != -100] == [*s[1:], EOS]
+    seq_len = 16
+    data = FinetuneData(
+        tmp_path / "corpus.txt", tok, seq_len=seq_len, batch_size=1, seed=0, shuffle=False,
+        pack=False,
+    )  # fmt: skip
+    whole = [*ids, EOS]
+    rows = [whole[lo : lo + seq_len] for lo in range(0, len(whole), seq_len)]
+    rows = [r for r in rows if len(r) > 1]
+    assert len(rows) > 2 and data.num_examples == len(rows)
+    for r, want in enumerate(rows):
+        batch = data.batch(r)
+        assert batch["tokens"][0, : len(want)].tolist() == want
+        # every token but the row's first is predicted from the row before it
+        assert batch["labels"][0, : len(want) - 1].tolist() == want[1:]
+    assert data.counted.tolist() == [len(r) - 1 for r in rows]
+    assert data.prompt(0).tolist() == rows[0][:8]  # a text's prompt: its first half
+
+
 def test_an_empty_prompt_leaves_the_first_token_unpredicted(tok, tmp_path):
     """Nothing comes before an example's first token, so it is never a target, even when it
     starts the completion: counted = the completion's other tokens + the eos."""
@@ -449,7 +476,7 @@ GOOD = json.dumps({"prompt": "a", "completion": "b"})
         ('{"prompt": "a", "completion": "  \\n"}', "'completion': empty"),
         ('{"prompt": "a", "completion": 3}', "'completion': must be a string, got int 3"),
         ('{"prompt": null, "completion": "b"}', "'prompt': must be a string, got NoneType"),
-        ('{"text": "a"}', "no 'prompt'/'completion' or 'messages' field"),
+        ('{"body": "a"}', "no 'prompt'/'completion', 'messages' or 'text' field"),
         ('{"messages": [], "prompt": "a"}', "'prompt': unknown field"),
         ('{"messages": []}', "'messages': expected a non-empty list"),
         ('{"messages": "hi"}', "'messages': expected a non-empty list"),

@@ -378,3 +378,52 @@ def test_qlora_trains_chats_in_the_bases_own_chat_template(base_dir, tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r["val_loss"] for r in metrics if r["kind"] == "eval"]
     assert evals[-1] < evals[0] - 0.1, evals
+
+
+def test_plain_text_lora_learns_and_the_merged_model_loads_in_transformers(base_dir, tmp_path):
+    """A .txt corpus, LoRA on a bf16 base (no quantization), --merged: the validation loss
+    falls, and the merged folder is a bf16 checkpoint transformers and AutoTokenizer load,
+    computing what the tuned model computes up to one bf16 rounding of each merged weight."""
+    from tests.finetune.conftest import examples
+
+    rows = examples(120, seed=2)
+    text = lambda rs: "\n".join(r["prompt"] + r["completion"] for r in rs)
+    (tmp_path / "train.txt").write_text(text(rows[:100]))
+    (tmp_path / "val.txt").write_text(text(rows[100:]))
+    merged = tmp_path / "merged"
+    flags = _flags(
+        base_dir, (tmp_path / "train.txt", tmp_path / "val.txt"), tmp_path / "run",
+        "--quantize", "none", "--param-dtype", "bfloat16", "--merged", str(merged),
+        "--sample-tokens", "0",
+    )  # fmt: skip
+    result = main(flags)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["val_loss"] for r in rows if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 0.1, evals
+    assert result["samples"] == {}
+    twin = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    assert twin.dtype == torch.bfloat16
+    tokenizer = transformers.AutoTokenizer.from_pretrained(merged)
+    assert tokenizer.encode("def f") == transformers.AutoTokenizer.from_pretrained(base_dir).encode(
+        "def f"
+    )
+    ids = np.random.default_rng(0).integers(0, 300, size=(2, 32))
+    with torch.no_grad():
+        want = twin.float()(torch.tensor(ids)).logits.double().numpy()
+    got = np.asarray(result["model"](jnp.asarray(ids, jnp.int32)), np.float64)
+    scale = np.max(np.abs(got))
+    assert np.max(np.abs(got - want)) < 2e-2 * scale
+
+
+def test_merged_is_refused_before_anything_is_written(base_dir, data_files, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    bad = [
+        (["--merged", str(base_dir)], "is the base itself"),
+        (["--merged", str(run_dir / "adapter")], "is the adapter's directory"),
+        (["--merged", str(tmp_path / "m"), "--targets", "q_proj"], "needs every projection"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(SystemExit):
+            main(_flags(base_dir, data_files, run_dir, *extra))
+        assert message in capsys.readouterr().err
+        assert not run_dir.exists(), message
