@@ -1,8 +1,10 @@
-"""QLoRA (or LoRA) fine-tuning of a Hugging Face Llama directory on JSONL; a PEFT adapter out.
+"""QLoRA (or LoRA) fine-tuning of a Hugging Face Llama directory on JSONL or plain text; a PEFT
+adapter out (and, with ``--merged``, the tuned model).
 
     python -m examples.lm.train --name base              # the README's main job, then:
     python -m examples.finetune                          # QLoRA on it: a PEFT adapter out
     python -m examples.finetune --base <HF dir> --data train.jsonl --val-data val.jsonl
+    python -m examples.finetune --base <HF dir> --data notes.txt --quantize none --merged out
     python -m examples.finetune --name a --stop-at 20    # ... later, in a fresh process:
     python -m examples.finetune --name a --resume        # continues bit for bit
 
@@ -13,8 +15,9 @@ library's docstrings (``examples/finetune/instructions.py``, written once into
 
 The run, top to bottom:
 
-- data: ``examples/finetune/data.py`` tokenizes the JSONL with the base's ``tokenizer.json``;
-  only completion (assistant) tokens are labelled, the rest -100; rows packed (or padded)
+- data: ``examples/finetune/data.py`` tokenizes the JSONL (or .txt) with the base's
+  ``tokenizer.json``; only completion (assistant) tokens are labelled (every token of a
+  text), the rest -100; rows packed (or padded)
   with segment ids, so examples in one row do not see each other. Batch ``i`` depends on the
   file, the seed and ``i`` only: the data position is the update count.
 - model: ``rudax.models.from_pretrained`` reads the base tensor by tensor into a
@@ -36,7 +39,9 @@ The run, top to bottom:
   another base or other data, and continues exactly.
 - output: ``RUN/metrics.jsonl``, ``RUN/loss.png``, and ``--export`` (default ``RUN/adapter``):
   ``adapter_config.json`` + ``adapter_model.safetensors``, which
-  ``peft.PeftModel.from_pretrained`` loads on transformers' model of the base.
+  ``peft.PeftModel.from_pretrained`` loads on transformers' model of the base; with
+  ``--merged DIR`` the model with its adapters folded in (``rudax.layers.merge_lora``) as a
+  checkpoint folder (``rudax.models.save_pretrained``, the base's tokenizer copied).
 """
 
 from __future__ import annotations
