@@ -30,7 +30,7 @@ from flax import nnx
 
 import rudax.kernels as rk
 import rudax.layers as rl
-from rudax.models import _llama
+from rudax.models import _llama, _llama_layers
 from rudax.models._hf_names import load_state, state_dict
 from rudax.models._llama import LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig
@@ -317,9 +317,9 @@ def save_pretrained(
 _PLAIN = (
     LlamaForCausalLM,
     _llama.LlamaModel,
-    _llama.LlamaDecoderLayer,
-    _llama.LlamaAttention,
-    _llama.LlamaMLP,
+    _llama_layers.LlamaDecoderLayer,
+    _llama_layers.LlamaAttention,
+    _llama_layers.LlamaMLP,
     nnx.List,
     rl.Linear,
     rl.RMSNorm,
