@@ -102,25 +102,16 @@ TARGET_SPEED_RATIO = 1.0  # rudax QLoRA tokens/s / transformers + peft LoRA toke
 def _config(args: argparse.Namespace, *, prep: bool = False):
     from benchmarks.random_llama import llama_config
 
-    if prep:
-        sizes = dict(
-            vocab_size=args.prep_vocab,
-            hidden_size=args.prep_d_model,
-            layers=args.prep_layers,
-            heads=args.prep_heads,
-            kv_heads=args.prep_kv_heads,
-        )
-        seq = 2048
-    else:
-        sizes = dict(
-            vocab_size=args.vocab,
-            hidden_size=args.d_model,
-            layers=args.layers,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-        )
-        seq = args.seq
-    return llama_config(seq_len=seq, **sizes)
+    # The preparation's model has flags of its own, the same names under --prep-.
+    flag = lambda name: getattr(args, f"prep_{name}" if prep else name)
+    return llama_config(
+        vocab_size=flag("vocab"),
+        hidden_size=flag("d_model"),
+        layers=flag("layers"),
+        heads=flag("heads"),
+        kv_heads=flag("kv_heads"),
+        seq_len=2048 if prep else args.seq,
+    )
 
 
 def _ids(args: argparse.Namespace):
