@@ -450,28 +450,20 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
 
 def make_steps(
-    graphdef: nnx.GraphDef,
-    eval_def: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    loss: Any = rm.causal_lm_loss_sum,
+    graphdef: nnx.GraphDef, eval_def: nnx.GraphDef, tx: optax.GradientTransformation
 ) -> tuple[Any, Any, Any]:
     """The run's jitted ``(micro, apply, evaluate)`` for ``nnx.split(model, rl.LoRAParam,
-    nnx.RngState, ...)``'s ``graphdef`` (``eval_def``: the same model with dropout off), and
-    ``loss(model, batch) -> (loss_sum, {"tokens", "ce_sum", ...})``.
+    nnx.RngState, ...)``'s ``graphdef`` (``eval_def``: the same model with dropout off).
 
     ``micro(adapters, rngs, acc, base, batch) -> (acc, rngs, metrics)`` adds one microbatch's
     adapter gradients into the accumulator; ``apply(adapters, opt_state, acc) -> (adapters,
     opt_state, acc, grad_norm)`` is the update; ``evaluate(adapters, rngs, base, batch)`` the
     metrics without a gradient. Nothing is donated (the adapters are small).
     """
-
-    # nnx's grad: dropout advances its RNG counters inside the differentiated call.
-    # (nnx's transforms resolve keyword arguments to positions and refuse a keyword-only one,
-    # as causal_lm_loss_sum's chunk, even unused: the loss is called through a plain function.)
-    def loss_of(model: nnx.Module, batch: Any) -> Any:
-        return loss(model, batch)
-
-    grad = nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True)
+    # nnx's grad: dropout advances its RNG counters inside the differentiated call. (nnx's
+    # transforms refuse a keyword-only parameter, causal_lm_loss_sum's chunk, even unused.)
+    loss = lambda model, batch: rm.causal_lm_loss_sum(model, batch)
+    grad = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True)
 
     @jax.jit
     def micro(adapters, rngs, acc, base, batch):
