@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--merged",
         metavar="DIR",
         help="also write the tuned model, adapters folded in (merge_lora), as a Hugging Face "
-        "checkpoint with the base's tokenizer, in the base weights' dtype",
+        "checkpoint with the base's tokenizer, stored in --param-dtype as the base was",
     )
     run.add_argument(
         "--sample-tokens",

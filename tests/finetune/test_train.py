@@ -19,6 +19,7 @@ import peft
 import pytest
 import torch
 import transformers
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import rudax.kernels as rk
@@ -183,6 +184,31 @@ def test_readme_stop_and_resume_with_the_default_base(data_files, tmp_path_facto
     result = main(then)
     assert result["step"] == 40
     assert [s for s, *_ in _train_rows(cwd / "runs" / "a")] == list(range(1, 41))
+
+
+def test_readme_lora_and_merged_command(data_files, tmp_path_factory, monkeypatch):
+    # The "Fine-tune a Hugging Face model" section's command, as written: LoRA on the
+    # unquantized hf/base, the default data, 30 updates, the merged model out.
+    text = (ROOT / "README.md").read_text()
+    start = text.index("python -m examples.finetune --base hf/base --quantize none")
+    line = text[start : text.index("\n", text.index("--merged", start))]
+    command = shlex.split(line.replace("\\\n", " "), comments=True)
+    assert command[:3] == ["python", "-m", "examples.finetune"], command
+    cwd = tmp_path_factory.mktemp("cwd")
+    tiny_base(cwd / "hf" / "base", seq_len=256)
+    for path, name in zip(data_files, (instructions.TRAIN, instructions.VAL), strict=True):
+        (cwd / "data" / "instructions").mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, cwd / "data" / "instructions" / name)
+    monkeypatch.chdir(cwd)
+    result = main(command[3:])
+    assert result["step"] == 30 and (cwd / "runs" / "base-lora" / "adapter").is_dir()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(cwd / "hf" / "base-tuned")
+    assert merged.dtype == torch.bfloat16  # --param-dtype's default: how the base was held
+    ids = torch.tensor(np.random.default_rng(0).integers(0, 300, size=(1, 16)))
+    with torch.no_grad():
+        want = merged.float()(ids).logits.double().numpy()
+    got = np.asarray(result["model"](jnp.asarray(ids.numpy(), jnp.int32)), np.float64)
+    assert np.max(np.abs(got - want)) < 2e-2 * np.max(np.abs(got))
 
 
 def _snapshot(run_dir: Path) -> dict[str, tuple[bytes, int]]:
@@ -401,6 +427,12 @@ def test_plain_text_lora_learns_and_the_merged_model_loads_in_transformers(base_
     evals = [r["val_loss"] for r in rows if r["kind"] == "eval"]
     assert evals[-1] < evals[0] - 0.1, evals
     assert result["samples"] == {}
+    # Dropout drew a fresh mask in every adapted layer for each of the 8 microbatches; the
+    # evaluations, run without dropout, drew none (examples.lm.lora's check, now here).
+    counts = {
+        int(v.get_value()) for _, v in nnx.to_flat_state(nnx.state(result["model"], nnx.RngCount))
+    }
+    assert counts == {8}
     twin = transformers.AutoModelForCausalLM.from_pretrained(merged)
     assert twin.dtype == torch.bfloat16
     tokenizer = transformers.AutoTokenizer.from_pretrained(merged)
