@@ -83,15 +83,21 @@ def test_readme_finetuning_snippet_runs_on_a_folder_with_rudax_imports_only(tmp_
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Fine-tune a Hugging Face model\n", 1)[1]
     block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
-    imports = re.findall(r"^(?:from|import) (\S+)", block, flags=re.M)
-    assert imports and all(name.split(".")[0] in ("rudax", "flax") for name in imports)
+    imported = []
+    for keyword, names in re.findall(r"^(from|import) (.+)$", block, flags=re.M):
+        modules = [names.split()[0]] if keyword == "from" else names.split(",")
+        imported += [m.split()[0].split(".")[0] for m in modules]
+    assert imported and set(imported) <= {"rudax", "flax", "jax", "optax"}, imported
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=4,
     )  # fmt: skip
     save_pretrained(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), tmp_path / "hf" / "base")
     monkeypatch.chdir(tmp_path)
-    exec(compile(block, "README.md", "exec"), {})
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    losses = namespace["losses"]
+    assert losses[-1] < losses[0] - 0.01, losses  # the adapters learn the batch
     assert (tmp_path / "adapters" / "mine" / "adapter_model.safetensors").is_file()
 
 
