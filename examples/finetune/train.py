@@ -485,15 +485,20 @@ def make_steps(
 
 
 def _sample(
-    model: nnx.Module, tokenizer: BaseTokenizer, data: FinetuneData, n: int, when: str
+    model: rm.LlamaForCausalLM, tokenizer: BaseTokenizer, data: FinetuneData, n: int, when: str
 ) -> str:
     """Prints and returns the model's greedy completion (dropout off) of data's first prompt."""
     prompt = data.prompt(0).tolist()
     model.eval()
-    ids = rm.generate(model, [prompt], n, stop_tokens=tokenizer.eos_id)[0]
+    # The data's eos and every eos id of the base's config.json (Llama 3 lists its turn's end).
+    eos = model.config.eos_token_id
+    listed = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids = rm.generate(model, [prompt], n, stop_tokens=sorted({tokenizer.eos_id, *listed}))[0]
     model.train()
-    text = tokenizer.tokenizer.decode(ids)
-    print(f"sample, {when}: {tokenizer.tokenizer.decode(prompt)!r} -> {text!r}")
+    # Special tokens shown: a chat template's markers and the eos are what it learns to write.
+    decode = lambda ids: tokenizer.tokenizer.decode(ids, skip_special_tokens=False)
+    text = decode(ids)
+    print(f"sample, {when}: {decode(prompt)!r} -> {text!r}")
     return text
 
 

@@ -459,3 +459,71 @@ def test_merged_is_refused_before_anything_is_written(base_dir, data_files, tmp_
             main(_flags(base_dir, data_files, run_dir, *extra))
         assert message in capsys.readouterr().err
         assert not run_dir.exists(), message
+
+
+def test_qlora_of_a_transformers_saved_chat_model_through_the_program(tmp_path):
+    """The issue's acceptance path: a tiny random Llama saved by transformers (with
+    unk_token_id and a tokenizer with a chat template), QLoRA through the program on chat
+    records rendered in that template, the adapter loaded by peft on transformers' model of
+    the dequantized base computing rudax's logits."""
+    import tokenizers
+
+    from tests.models.test_hf_files import CHAT_TEMPLATE, V, _hf
+
+    base = tmp_path / "base"
+    _hf(tie=False).save_pretrained(base)
+    specials = ["<|user|>", "<|assistant|>", "<|end|>"]
+    words = ["<unk>", "<s>", "</s>", "<pad>", *specials]
+    words += [f"w{i}" for i in range(V - len(words))]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", additional_special_tokens=specials,
+    )  # fmt: skip
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(base)
+    rng = np.random.default_rng(0)
+    chats = []
+    for _ in range(60):  # "w{a} w{b}" -> "w{a+b}": something to learn
+        a, b = (int(x) for x in rng.integers(7, 40, 2))
+        chats.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"w{a} w{b}"},
+                    {"role": "assistant", "content": f"w{a + b}"},
+                ]
+            }
+        )
+    write_jsonl(tmp_path / "train.jsonl", chats[:50])
+    write_jsonl(tmp_path / "val.jsonl", chats[50:])
+    run_dir = tmp_path / "run"
+    result = main(
+        _flags(base, (tmp_path / "train.jsonl", tmp_path / "val.jsonl"), run_dir,
+               "--seq-len", "32", "--param-dtype", "float32")
+    )  # fmt: skip
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["val_loss"] for r in rows if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 0.1, evals
+    # The sample's prompt is the template's rendering up to its generation prompt.
+    assert result["samples"][0] != result["samples"][8]
+    model = result["model"]
+    twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for i, layer in enumerate(twin.model.layers):
+            ours = model.model.layers[i]
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                w = rk.nf4_dequantize(getattr(ours.self_attn, name).base.weight, jnp.float32)
+                getattr(layer.self_attn, name).weight.copy_(torch.from_numpy(np.array(w)))
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                w = rk.nf4_dequantize(getattr(ours.mlp, name).base.weight, jnp.float32)
+                getattr(layer.mlp, name).weight.copy_(torch.from_numpy(np.array(w)))
+    tuned = peft.PeftModel.from_pretrained(twin, str(run_dir / "adapter")).eval()
+    text = fast.apply_chat_template(chats[55]["messages"], tokenize=False)
+    ids = np.asarray([fast.encode(text, add_special_tokens=False)])
+    with torch.no_grad():
+        want = tuned(torch.tensor(ids)).logits.double().numpy()
+    got = np.asarray(model(jnp.asarray(ids, jnp.int32)), np.float64)
+    assert np.max(np.abs(got - want)) < 2e-5 * np.max(np.abs(want))
