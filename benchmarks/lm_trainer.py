@@ -49,7 +49,7 @@ lower the peak). The environment's ``XLA_FLAGS`` are recorded and printed with t
 CPU flags change the JAX arms' speed, so a table says what ran.
 
 Every arm, unless ``--system-malloc``, keeps the memory it frees for reuse
-(``examples/lm/host_memory.py``; the trainer does the same): glibc's default hands a large
+(``rudax.run.retain_freed_memory``; the trainer does the same): glibc's default hands a large
 block back to the system on ``free``, and the next step faults it in again page by page. On
 the 2-core VM this was a fifth of a rudax step and a tenth of a torch step.
 
@@ -85,10 +85,10 @@ from benchmarks._lm_arms import JaxArm, TorchArm, torch_python, torch_spec
 from benchmarks._stats import ratio_interval
 from benchmarks._timing import alternate, ratio_summary
 from examples.lm.config import build_parser
-from examples.lm.host_memory import MALLOC_ENV, retain_freed_memory
 from examples.lm.model import GPT, flops_per_token
 from examples.lm.report import format_table
 from examples.lm.step import make_optimizer, make_steps, model_config
+from rudax.run import MALLOC_ENV, retain_freed_memory
 
 ARMS = ("rudax", "flax+optax", "torch", "torch.compile")
 # Trainer flags of each preset on top of train.py's defaults ("small" is the model
@@ -248,7 +248,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
         "--system-malloc",
         action="store_true",
         help="leave the C library's malloc at its defaults in every arm; by default every arm "
-        "keeps freed memory for reuse (examples/lm/host_memory.py)",
+        "keeps freed memory for reuse (rudax.run.retain_freed_memory)",
     )
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="weights and batch")
     p.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
@@ -389,7 +389,7 @@ def report(result: dict) -> str:
         *([f"XLA_FLAGS: {result['xla_flags']}"] if result["xla_flags"] else []),
         "host memory: "
         + (
-            "freed memory kept for reuse in every arm (examples/lm/host_memory.py)"
+            "freed memory kept for reuse in every arm (rudax.run.retain_freed_memory)"
             if result["retain_freed_memory"]
             else "the C library's malloc defaults"
         ),

@@ -16,7 +16,7 @@ process, in alternating order:
   (``labels=input_ids``), ``loss.backward()`` and ``torch.optim.AdamW`` over the trainable
   parameters, eager, on the same number of CPU threads.
 
-Both children start with glibc's ``MALLOC_*`` settings of ``examples/lm/host_memory.py``
+Both children start with glibc's ``MALLOC_*`` settings of ``rudax.run.retain_freed_memory``
 (freed memory kept for reuse: faster steps, a higher peak), or with the default malloc under
 ``--system-malloc``.
 
@@ -45,7 +45,7 @@ from pathlib import Path
 
 # Both children keep the memory they free, as the examples' trainer does for itself: XLA:CPU's
 # step scratch and torch's autograd buffers are reused instead of faulted in every step.
-from examples.lm.host_memory import MALLOC_ENV
+from rudax.run import MALLOC_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = ("rudax", "torch")

@@ -43,7 +43,7 @@ that of its dequantized base. Peak host memory is the child's ``ru_maxrss`` (the
 high-water mark: libraries, mapped checkpoint pages, the model, compiled code or autograd
 graphs) and its peak anonymous memory (``RssAnon`` of ``/proc/PID/status``, sampled every
 millisecond by this parent process, so the child's own threads are not disturbed). Every
-child runs with the trainer's glibc settings (``examples.lm.host_memory.MALLOC_ENV``).
+child runs with the trainer's glibc settings (``rudax.run.MALLOC_ENV``).
 
 Base bytes are the frozen base as held: every array that is not an adapter (rudax: codes,
 absmax and scales of each ``NF4Linear`` + the bf16 embedding, norms and head; bitsandbytes:
@@ -309,7 +309,7 @@ def _status(pid: int | str, field: str) -> int | None:
 
 def _run_child(arm: str, directory: Path, argv: list[str], *, malloc_env: bool = True) -> dict:
     """Runs one arm in a fresh process, sampling its RssAnon every millisecond from here."""
-    from examples.lm.host_memory import MALLOC_ENV
+    from rudax.run import MALLOC_ENV
 
     cmd = [sys.executable, "-m", "benchmarks.qlora", *argv]
     cmd += ["--child", arm, "--model-dir", str(directory)]

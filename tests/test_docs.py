@@ -34,6 +34,7 @@ PACKAGES = [
     "rudax.sharding",
     "rudax.checkpoint",
     "rudax.models",
+    "rudax.run",
 ]
 
 

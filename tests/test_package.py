@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["checkpoint", "kernels", "layers", "models", "optim", "sharding"]
+SUBPACKAGES = ["checkpoint", "kernels", "layers", "models", "optim", "run", "sharding"]
 
 
 def run(code: str) -> str:

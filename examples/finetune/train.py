@@ -68,14 +68,11 @@ import rudax.checkpoint as rc
 import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
+import rudax.run as rr
 from examples.finetune import instructions
 from examples.finetune.data import BaseTokenizer, FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
-from examples.lm import guard
 from examples.lm.config import UsageError, _HelpFormatter, given_flags
-from examples.lm.guard import TrainingHalted
-from examples.lm.host_memory import retain_freed_memory
-from examples.lm.report import MetricsLog, plot_losses, read_rows
 
 DEFAULT_BASE, DEFAULT_BASE_RUN = Path("hf/base"), Path("runs/base")
 DEFAULT_DATA = Path("data/instructions")
@@ -199,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return finetune(args, given_flags(parser, argv))
     except UsageError as e:
         parser.error(str(e))
-    except TrainingHalted as e:
+    except rr.TrainingHalted as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 
@@ -218,7 +215,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     base_dir = _base_dir(args.base)
     train_path, val_path, generated = _data_paths(args)
     too_long = args.too_long or ("drop" if generated else "error")
-    retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
+    rr.retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
 
     # --------------------------------------------------------------------------- data
     try:
@@ -341,7 +338,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
     # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
-    log = MetricsLog(
+    log = rr.MetricsLog(
         run_dir / "metrics.jsonl", resume_step=step if resumed else -1 if args.resume else None
     )
     print(
@@ -368,7 +365,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             window, norm = jax.device_get((window, norm))  # waits for the update
             counted = sum(int(m["tokens"]) for m in window)
             loss = sum(float(m["ce_sum"]) for m in window) / max(1, counted)
-            guard.check_loss(loss, step=step, latest=checkpointer.latest_step)
+            rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
             if clock is None:  # the first update compiled the steps: time from its end
                 clock = time.perf_counter()
             else:
@@ -395,7 +392,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
                 )
                 paused = True
             if step % args.checkpoint_every == 0 or step == stop:
-                guard.check_finite(adapters, step=step, latest=checkpointer.latest_step)
+                rr.check_finite(adapters, step=step, latest=checkpointer.latest_step)
                 checkpointer.save(step, record(step))
                 paused = True
             if paused:  # evaluation and checkpoints are not training throughput
@@ -410,8 +407,8 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     # --------------------------------------------------------------------------- output
     log.close()
     plot = run_dir / "loss.png"
-    plot_losses(
-        read_rows(log.path), plot, title=f"{run_dir.name}: LoRA r={args.rank} on {base_dir}"
+    rr.plot_losses(
+        rr.read_metrics(log.path), plot, title=f"{run_dir.name}: LoRA r={args.rank} on {base_dir}"
     )
     result: dict[str, Any] = {
         "run_dir": str(run_dir),

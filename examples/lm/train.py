@@ -17,10 +17,11 @@ checkpoints every ``--checkpoint-every``, and leaves in ``runs/<timestamp>/``:
 also ``tensorboard/``, metrics.jsonl's scalars as event files (``train/loss``, ``val/loss``,
 ``train/lr``, ...; written with tensorboardX, no TensorFlow). ``--help`` lists every flag.
 
-A run never trains on, or saves, what is broken (``examples/lm/guard.py``): shards are checked
-against their recorded SHA-256 and the vocabulary when opened; the first non-finite training
-loss stops the run, naming the update; a checkpoint of non-finite weights is never written;
-and ``--max-skipped-updates`` updates in a row skipped by the optimizer stop it too.
+A run never trains on, or saves, what is broken (``rudax.run``, ``examples/lm/guard.py``):
+shards are checked against their recorded SHA-256 and the vocabulary when opened; the first
+non-finite training loss stops the run, naming the update; a checkpoint of non-finite weights
+is never written; and ``--max-skipped-updates`` updates in a row skipped by the optimizer stop
+it too.
 
 Everything rudax offers runs here: ``rudax.layers`` (the model, ``examples/lm/model.py``),
 ``rudax.optim`` (``fp32_master``, ``GradientAccumulator``, clipping, schedules, AdamW, Muon,
@@ -52,16 +53,14 @@ from tqdm.auto import tqdm
 import rudax.checkpoint as rc
 import rudax.kernels as rk
 import rudax.optim as ro
+import rudax.run as rr
 import rudax.sharding as rs
 from examples.lm import config as cfg
 from examples.lm import guard, hf_init
 from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError
-from examples.lm.guard import TrainingHalted
-from examples.lm.host_memory import retain_freed_memory
 from examples.lm.model import GPT, GPTConfig, flops_per_token, shard
 from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
-from examples.lm.report import MetricsLog, plot_losses, read_rows
 from examples.lm.step import (
     batch_spec,
     make_optimizer,
@@ -100,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return train(args, cfg.given_flags(parser, argv))
     except UsageError as e:
         parser.error(str(e))
-    except TrainingHalted as e:
+    except rr.TrainingHalted as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 
@@ -151,7 +150,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- mesh
     # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
-    retain_freed_memory()
+    rr.retain_freed_memory()
     mesh = _mesh(args.mesh)
 
     # --------------------------------------------------------------------------- data
@@ -260,7 +259,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- loop
     events = run_dir / "tensorboard" if args.tensorboard else None
-    log = MetricsLog(
+    log = rr.MetricsLog(
         run_dir / "metrics.jsonl", resume_step=step if args.resume else None, tensorboard=events
     )
     tokens_per_update = args.batch_size * args.seq_len * args.grad_accum
@@ -289,7 +288,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                 (window, norm, guard.num_skipped(opt_state))
             )
             loss = sum(float(m["ce_sum"]) for m in window) / sum(int(m["tokens"]) for m in window)
-            guard.check_loss(loss, step=step, latest=checkpointer.latest_step)
+            rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
             if skips.update(step, skipped_so_far):
                 bar.write(
                     f"update {step}: skipped by the optimizer (its gradients were not finite); "
@@ -331,7 +330,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                 paused = True
             if step % args.checkpoint_every == 0 or step == stop:
                 # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
-                guard.check_finite(params, step=step, latest=checkpointer.latest_step)
+                rr.check_finite(params, step=step, latest=checkpointer.latest_step)
                 checkpointer.save(step, record(step, tokens))
                 paused = True
             if paused:  # evaluation and checkpoint time are not training throughput
@@ -356,7 +355,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     log.close()
     plot = run_dir / "loss.png"
     title = f"{run_dir.name}: {config.n_layers}x{config.d_model} GPT, {args.optimizer}"
-    plot_losses(read_rows(log.path), plot, title=title)
+    rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
     if step < args.steps:
         print(
             f"stopped at update {step} of {args.steps} (--stop-at); continue with: "

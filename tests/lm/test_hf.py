@@ -469,9 +469,7 @@ def test_bad_files_are_named(saved, tmp_path):
     with pytest.raises(ValueError, match=r"no config.json"):
         load_hf(tmp_path)
     (directory / "model.safetensors").rename(directory / "pytorch_model.bin")
-    with pytest.raises(
-        ValueError, match=r"\['pytorch_model.bin'\]: rudax reads safetensors only"
-    ):
+    with pytest.raises(ValueError, match=r"\['pytorch_model.bin'\]: rudax reads safetensors only"):
         load_hf(directory)
     (directory / "pytorch_model.bin").rename(directory / "model-1.safetensors")
     index = {"weight_map": {"model.embed_tokens.weight": "model-2.safetensors"}}

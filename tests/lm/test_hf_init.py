@@ -13,12 +13,14 @@ import shutil
 import pytest
 
 from examples.lm import train
-from examples.lm.report import read_rows
+from rudax.run import read_metrics
 from tests.lm.conftest import TINY
 
 
 def _evals(summary):
-    return {r["step"]: r["val_loss"] for r in read_rows(summary["metrics"]) if r["kind"] == "eval"}
+    return {
+        r["step"]: r["val_loss"] for r in read_metrics(summary["metrics"]) if r["kind"] == "eval"
+    }
 
 
 @pytest.fixture

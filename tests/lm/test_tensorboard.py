@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from examples.lm import train
 from examples.lm.data import TokenLoader
-from examples.lm.report import read_rows
+from rudax.run import read_metrics
 from tests.lm.conftest import TINY
 
 # fused_adamw: its rows carry the optimizer's skip count too.
@@ -39,7 +39,7 @@ def _rows(metrics):
     """{(tag, step): value} of metrics.jsonl, tags as the trainer documents them (train/<key>,
     val/<key> for val_<key>); each end row's values checked against the rows they repeat."""
     want, ends = {}, []
-    for row in read_rows(metrics):
+    for row in read_metrics(metrics):
         if row["kind"] == "end":
             ends.append(row)
             continue

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from examples.lm import timing, train
-from examples.lm.report import MetricsLog, read_rows
+from rudax.run import read_metrics
 from tests.lm.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,12 +39,12 @@ def straight(data, tmp_path_factory):
 def _losses(path):
     """Every train/eval row's step, kind and losses: what must match between runs."""
     keep = ("kind", "step", "loss", "val_loss", "grad_norm", "aux_loss", "lr", "tokens")
-    return [{k: r[k] for k in keep if k in r} for r in read_rows(path) if r["kind"] != "end"]
+    return [{k: r[k] for k in keep if k in r} for r in read_metrics(path) if r["kind"] != "end"]
 
 
 def test_tiny_run_learns_compiles_once_and_writes_its_report(straight):
     summary, _ = straight
-    rows = read_rows(summary["metrics"])
+    rows = read_metrics(summary["metrics"])
     train_rows = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in train_rows] == list(range(1, 9))
@@ -118,8 +118,8 @@ def test_init_from_reads_the_weights_and_never_writes_the_source(straight, tmp_p
         ]
     )
     assert snapshot() == before
-    first_eval = next(r for r in read_rows(out["metrics"]) if r["kind"] == "eval")
-    last_eval = [r for r in read_rows(summary["metrics"]) if r["kind"] == "eval"][-1]
+    first_eval = next(r for r in read_metrics(out["metrics"]) if r["kind"] == "eval")
+    last_eval = [r for r in read_metrics(summary["metrics"]) if r["kind"] == "eval"][-1]
     assert first_eval["step"] == 0 and first_eval["val_loss"] == last_eval["val_loss"]
 
 
@@ -251,27 +251,3 @@ def test_profile_times_each_phase_and_writes_a_trace(tmp_path):
     assert calls.count("forward") == calls.count("gradients") == 3
     assert calls.count("micro") == 1 + 3 * 3 + 3 * 3 and calls.count("apply") == 3 + 3 + 3
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))
-
-
-def test_metrics_log_on_resume_drops_the_rows_logged_after_the_checkpoint(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    log = MetricsLog(path)
-    for step in range(1, 8):  # a session that crashed after logging update 7
-        log.write(kind="train", step=step, loss=1.0 / step)
-        if step % 3 == 0:
-            log.write(kind="eval", step=step, val_loss=2.0 / step)
-    log.close()
-    log = MetricsLog(path, resume_step=6)  # its last checkpoint was update 6
-    log.write(kind="train", step=7, loss=0.5)
-    log.write(kind="end", step=7, loss=0.5)
-    log.close()
-    rows = read_rows(path)
-    assert [(r["kind"], r["step"]) for r in rows] == [
-        *[("train", s) for s in (1, 2, 3)],
-        ("eval", 3),
-        *[("train", s) for s in (4, 5, 6)],
-        ("eval", 6),
-        ("train", 7),
-        ("end", 7),
-    ]
-    assert rows[-2]["loss"] == 0.5

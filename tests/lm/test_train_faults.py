@@ -18,7 +18,7 @@ import pytest
 import rudax.checkpoint as rc
 from examples.lm import train
 from examples.lm.data import TokenLoader
-from examples.lm.report import read_rows
+from rudax.run import read_metrics
 from tests.lm.conftest import TINY
 
 
@@ -33,7 +33,9 @@ def _fails(argv, capsys, code):
 
 
 def _evals(summary):
-    return {r["step"]: r["val_loss"] for r in read_rows(summary["metrics"]) if r["kind"] == "eval"}
+    return {
+        r["step"]: r["val_loss"] for r in read_metrics(summary["metrics"]) if r["kind"] == "eval"
+    }
 
 
 def _steps(run_dir):
@@ -176,7 +178,7 @@ def test_isolated_skipped_updates_are_reported_and_the_run_goes_on(
     assert out["step"] == 8
     text = capsys.readouterr()
     assert "update 2: skipped" in text.err + text.out
-    rows = [r for r in read_rows(out["metrics"]) if r["kind"] == "train"]
+    rows = [r for r in read_metrics(out["metrics"]) if r["kind"] == "train"]
     assert [r["skipped"] for r in rows] == [0, 1, 1, 1, 2, 3, 3, 3]  # skipped so far
 
 

@@ -1,4 +1,4 @@
-"""examples/lm/host_memory.py: with it, a large freed block is reused, not faulted in again."""
+"""rudax/run/_host_memory.py: with it, a large freed block is reused, not faulted in again."""
 
 import doctest
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import examples.lm.host_memory as host_memory
-from examples.lm.host_memory import MALLOC_ENV, retain_freed_memory
+import rudax.run._host_memory as host_memory
+from rudax.run import MALLOC_ENV, retain_freed_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # faults of one round after the first.
 PROGRAM = """
 import ctypes, ctypes.util, json, resource, sys
-from examples.lm.host_memory import retain_freed_memory
+from rudax.run import retain_freed_memory
 applied = retain_freed_memory() if sys.argv[1] == "call" else None
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -18,6 +18,8 @@ import ctypes
 import ctypes.util
 import functools
 
+__all__ = ["MALLOC_ENV", "retain_freed_memory"]
+
 # mallopt parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -48,7 +50,7 @@ def retain_freed_memory() -> bool:
       Whether every setting was accepted.
 
     Example:
-      >>> from examples.lm.host_memory import retain_freed_memory
+      >>> from rudax.run import retain_freed_memory
       >>> isinstance(retain_freed_memory(), bool)
       True
     """

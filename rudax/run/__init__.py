@@ -1,0 +1,32 @@
+"""rudax.run: what a training program does around its steps.
+
+``MetricsLog`` appends each logged row to ``metrics.jsonl`` (and, optionally, TensorBoard),
+and on resume first drops the rows an interrupted session logged past its checkpoint, so the
+file reads as one run; ``read_metrics`` reads it back and ``plot_losses`` draws it.
+``check_loss`` and ``check_finite`` raise ``TrainingHalted`` before a broken run saves
+anything: a non-finite loss, or non-finite weights about to be checkpointed (named by their
+pytree path). ``retain_freed_memory`` keeps XLA:CPU's per-step scratch memory mapped instead
+of faulting it in again each step (``MALLOC_ENV``: the same for a child process).
+"""
+
+# Public names, re-exported one per line (``from rudax.run._x import a as a``), sorted as
+# isort sorts them, and listed again in __all__.
+from rudax.run._halt import TrainingHalted as TrainingHalted
+from rudax.run._halt import check_finite as check_finite
+from rudax.run._halt import check_loss as check_loss
+from rudax.run._host_memory import MALLOC_ENV as MALLOC_ENV
+from rudax.run._host_memory import retain_freed_memory as retain_freed_memory
+from rudax.run._metrics import MetricsLog as MetricsLog
+from rudax.run._metrics import plot_losses as plot_losses
+from rudax.run._metrics import read_metrics as read_metrics
+
+__all__ = [
+    "MALLOC_ENV",
+    "MetricsLog",
+    "TrainingHalted",
+    "check_finite",
+    "check_loss",
+    "plot_losses",
+    "read_metrics",
+    "retain_freed_memory",
+]
