@@ -46,6 +46,7 @@ import bisect
 import hashlib
 import itertools
 import json
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -56,7 +57,6 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from examples.finetune.template import DataError, Record, Segment, read_records
-from rudax._validation import check_bool, check_int, check_positive_int
 from rudax.models import ChatTemplate, load_chat_template
 
 TOKENIZER = "tokenizer.json"
@@ -107,10 +107,11 @@ def load_tokenizer(base_dir: str | os.PathLike) -> BaseTokenizer:
 
     Example:
       >>> import json, pathlib, tempfile
-      >>> from examples.lm.tokenizer import train_tokenizer
+      >>> from tokenizers import Tokenizer, models
       >>> from examples.finetune.data import load_tokenizer
       >>> base = pathlib.Path(tempfile.mkdtemp())
-      >>> train_tokenizer(["some text to learn from"] * 4, 270).save(str(base / "tokenizer.json"))
+      >>> vocab = {"<eos>": 0, "some": 1, "text": 2}
+      >>> Tokenizer(models.WordLevel(vocab, unk_token="<eos>")).save(str(base / "tokenizer.json"))
       >>> _ = (base / "config.json").write_text(json.dumps({"eos_token_id": 0}))
       >>> tok = load_tokenizer(base)
       >>> tok.eos_id, tok.eos_source, tok.prefix_ids
@@ -192,10 +193,13 @@ class FinetuneData:
 
     Example:
       >>> import json, pathlib, tempfile
-      >>> from examples.lm.tokenizer import train_tokenizer
+      >>> from tokenizers import Tokenizer, models, pre_tokenizers
       >>> from examples.finetune.data import FinetuneData, counted_tokens, load_tokenizer
       >>> root = pathlib.Path(tempfile.mkdtemp())
-      >>> train_tokenizer(["Q: add 1 and 2. A: 3"] * 4, 270).save(str(root / "tokenizer.json"))
+      >>> words = ["<eos>", "Q", ":", "add", "and", ".", "A", *map(str, range(10))]
+      >>> tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
+      >>> tok.pre_tokenizer = pre_tokenizers.Whitespace()  # 11 tokens an example, with the eos
+      >>> tok.save(str(root / "tokenizer.json"))
       >>> _ = (root / "config.json").write_text(json.dumps({"eos_token_id": 0}))
       >>> rows = [{"prompt": f"Q: add {a} and 2. A:", "completion": f" {a + 2}"} for a in range(6)]
       >>> _ = (root / "train.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
@@ -225,17 +229,17 @@ class FinetuneData:
     ) -> None:
         if not isinstance(tokenizer, BaseTokenizer):
             raise TypeError(f"tokenizer must be a load_tokenizer(...), got {tokenizer=}")
-        check_positive_int("seq_len", seq_len)
-        check_positive_int("batch_size", batch_size)
-        check_int("seed", seed)
+        _check("seq_len", seq_len, "positive int")
+        _check("batch_size", batch_size, "positive int")
+        _check("seed", seed, "int")
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {seed=}")
-        check_bool("pack", pack)
-        check_bool("shuffle", shuffle)
+        _check("pack", pack, "bool")
+        _check("shuffle", shuffle, "bool")
         if too_long not in TOO_LONG:
             raise ValueError(f"too_long must be one of {TOO_LONG}, got {too_long=}")
         if vocab_size is not None:
-            check_positive_int("vocab_size", vocab_size)
+            _check("vocab_size", vocab_size, "positive int")
         self.path = Path(path)
         self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()
         self.tokenizer_sha256 = tokenizer.sha256
@@ -395,11 +399,11 @@ class FinetuneData:
         """Batch ``i``, or host ``shard``'s rows of it: the dict of ``KEYS``, int32 arrays
         of shape (batch_size // num_shards, seq_len). Hosts' shares concatenated in shard
         order are ``batch(i)``."""
-        check_int("i", i)
+        _check("i", i, "int")
         if not 0 <= i < 2**62:
             raise ValueError(f"i must be in [0, 2**62), got {i=}")
-        check_positive_int("num_shards", num_shards)
-        check_int("shard", shard)
+        _check("num_shards", num_shards, "positive int")
+        _check("shard", shard, "int")
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard must be in [0, {num_shards=}), got {shard=}")
         if self.batch_size % num_shards:
@@ -412,7 +416,7 @@ class FinetuneData:
 
     def epoch_of(self, i: int) -> int:
         """The epoch of batch ``i``'s first row."""
-        check_int("i", i)
+        _check("i", i, "int")
         return self._locate(i * self.batch_size)[0]
 
     def rows_in_epoch(self, epoch: int) -> int:
@@ -443,7 +447,7 @@ class FinetuneData:
         return order, np.array(bounds, np.int64)
 
     def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        check_int("epoch", epoch)
+        _check("epoch", epoch, "int")
         if not 0 <= epoch < 2**64:
             raise ValueError(f"epoch must be in [0, 2**64), got {epoch=}")
         if epoch not in self._layouts:
@@ -493,3 +497,15 @@ class FinetuneData:
                 out["positions"][r, at : at + n] = np.arange(n)
                 at += n
         return out
+
+
+def _check(name: str, value: Any, kind: str) -> None:
+    """A TypeError or ValueError naming ``name`` unless ``value`` is a ``kind``: "bool" (a
+    NumPy bool too), "int" (not a bool) or "positive int"."""
+    if kind == "bool":
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {name}={value!r}")
+    elif kind == "positive int" and value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")

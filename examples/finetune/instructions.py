@@ -9,13 +9,13 @@ functions; teaching a model to write the docstring that follows a signature is a
 completion task, and its held-out loss shows whether fine-tuning learned anything.
 
 Each example is one function or method with a docstring, found by parsing (never importing)
-the ``.py`` files under ``examples.lm.corpus.stdlib_root()`` in sorted order::
+the ``.py`` files of the running Python's standard library in sorted order::
 
     {"prompt": "# module json.decoder, class JSONDecoder\\ndef decode(self, s, _w=...):\\n",
      "completion": "Scan the string s for a JSON string. ..."}
 
-A function goes to validation by ``examples.lm.corpus.is_val`` of ``module:qualname``, so the
-split is the same on every machine and held-out completions are of functions never trained
+A function goes to validation by a hash of ``module:qualname`` (``_is_val``), so the split is
+the same on every machine and held-out completions are of functions never trained
 on. Docstrings longer than ``max_chars`` are skipped rather than cut: a completion is a whole
 docstring or nothing.
 """
@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import inspect
+import io
 import json
 import os
 import sys
+import sysconfig
+import tokenize
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-from examples.lm.corpus import decode, is_val, stdlib_root
 
 TRAIN, VAL = "train.jsonl", "val.jsonl"
 # Installed packages are not the library; test suites document tests, not functions.
@@ -86,7 +88,7 @@ def examples(
         relative = path.relative_to(root)
         if any(part in _SKIPPED for part in relative.parts):
             continue
-        text, skipped = decode(path, path.read_bytes())
+        text, skipped = _decode(path, path.read_bytes())
         if skipped:
             continue
         try:
@@ -132,7 +134,7 @@ def write(
     partial = {split: out / f".{name}.partial" for split, name in (("train", TRAIN), ("val", VAL))}
     with open(partial["train"], "w") as train, open(partial["val"], "w") as val:
         for key, example in examples(root):
-            split = "val" if is_val(key, seed=seed, val_fraction=val_fraction) else "train"
+            split = "val" if _is_val(key, seed=seed, val_fraction=val_fraction) else "train"
             if split == "train" and limit is not None and counts["train"] >= limit:
                 continue
             (val if split == "val" else train).write(json.dumps(example) + "\n")
@@ -155,6 +157,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, int]:
     counts = write(args.out_dir, val_fraction=args.val_fraction, seed=args.seed, limit=args.limit)
     print(f"{args.out_dir}: {counts['train']} training and {counts['val']} validation examples")
     return counts
+
+
+def stdlib_root() -> Path:
+    """The folder of the running Python's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _is_val(key: str, *, seed: int, val_fraction: float) -> bool:
+    """Whether ``key`` is held out: the first 8 bytes of ``blake2b(f"{seed}/{key}")``, read as
+    a little-endian integer, below ``val_fraction * 2**64``."""
+    digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+def _decode(path: Path, data: bytes) -> tuple[str, str]:
+    """``(text, "")`` as Python reads a source (its PEP 263 coding cookie, else UTF-8), or
+    ``("", reason)`` for bytes that are not text."""
+    if b"\0" in data:
+        return "", "binary (contains a NUL byte)"
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding), ""
+    except (SyntaxError, LookupError, UnicodeDecodeError) as e:
+        return "", f"does not decode as text: {type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

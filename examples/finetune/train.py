@@ -70,9 +70,9 @@ import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
 from examples.finetune import instructions
+from examples.finetune.cli import HelpFormatter, UsageError, given_flags
 from examples.finetune.data import BaseTokenizer, FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
-from examples.lm.config import UsageError, _HelpFormatter, given_flags
 
 DEFAULT_BASE, DEFAULT_BASE_RUN = Path("hf/base"), Path("runs/base")
 DEFAULT_DATA = Path("data/instructions")
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m examples.finetune",
         description="QLoRA / LoRA fine-tuning of a Hugging Face Llama directory on JSONL.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         allow_abbrev=False,
     )
     run = p.add_argument_group("run (session flags)")

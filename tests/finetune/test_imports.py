@@ -1,0 +1,36 @@
+"""The programs over the library import only rudax's public modules and their own: a user who
+copies examples/finetune (or examples/generate.py) needs nothing else from this repository.
+examples/lm is not there yet (its GPT still imports rudax._validation)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAMS = {
+    "examples.finetune": sorted((ROOT / "examples" / "finetune").glob("*.py")),
+    "examples.generate": [ROOT / "examples" / "generate.py"],
+}
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_a_program_imports_public_rudax_and_itself_only(program):
+    bad = []
+    for path in PROGRAMS[program]:
+        for name in _imports(path):
+            private = name.startswith("rudax.") and any(p.startswith("_") for p in name.split("."))
+            other = name.startswith("examples") and not name.startswith(program)
+            if private or other:
+                bad.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not bad, bad
