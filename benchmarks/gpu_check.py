@@ -138,7 +138,7 @@ def default_stages() -> list[Stage]:
                 "tests/layers",
             ),
             _junit,
-        ),  # fmt: skip
+        ),
         # Flash attention: TFLOP/s of the Pallas kernels against cuDNN, causal and packed.
         Stage(
             "attention",
@@ -172,7 +172,7 @@ def default_stages() -> list[Stage]:
                 "{out}/kernels.json",
             ),
             _json_file("kernels"),
-        ),  # fmt: skip
+        ),
         Stage(
             "trainer",
             75,
@@ -197,7 +197,7 @@ def default_stages() -> list[Stage]:
                 "{out}/embedding.json",
             ),
             _json_file("embedding"),
-        ),  # fmt: skip
+        ),
         # Does XLA:GPU keep an unrolled loop's remat (XLA:CPU compiles it away)? temp bytes
         # and step time, unrolled and scanned, without remat and with "full", for the
         # default GPT and one 2x as deep.
@@ -220,7 +220,7 @@ def default_stages() -> list[Stage]:
                 "{out}/remat.json",
             ),
             _json_file("remat"),
-        ),  # fmt: skip
+        ),
     ]
 
 

@@ -11,7 +11,7 @@ projections (``fused_qkv=False``), q/k/v biases (``qkv_bias``) and Llama 3's RoP
 (``rope_scaling``).
 
 Read top to bottom: ``GPTConfig``, ``Block``, ``GPT`` (attention is
-``rudax.layers.Attention``, the experts are in ``examples/lm/moe.py``), then what a trainer
+``rudax.layers.Attention``, the experts ``rudax.layers.MoE``), then what a trainer
 needs: ``loss_sum`` (the contract with token-weighted gradient accumulation),
 ``labelled_loss_sum`` (the same for fine-tuning's labelled, packed batches),
 ``flops_per_token`` (for MFU) and ``shard`` (the same model for FSDP over ``rudax.sharding``).
@@ -32,7 +32,6 @@ from flax import nnx
 import rudax.kernels as rk
 import rudax.layers as rl
 import rudax.sharding as rs
-from examples.lm.moe import IMPLS, MoE
 from rudax._validation import (
     STORAGE_DTYPES,
     check_bool,
@@ -92,7 +91,7 @@ class GPTConfig:
       num_experts: 0 for dense MLPs; E >= 1 for a ``MoE`` layer in every block.
       top_k: experts per token, in ``[1, num_experts]``; unused when dense.
       moe_aux_weight: coefficient of the load-balancing loss in ``loss_sum``, >= 0.
-      moe_impl: ``"auto"``, ``"ragged"`` or ``"dense"``, see ``examples/lm/moe.py``.
+      moe_impl: ``"auto"``, ``"ragged"`` or ``"dense"``, see ``rudax.layers.MoE``.
       loss_chunk: tokens per chunk of ``loss_sum``'s fused head and cross entropy
         (``rudax.kernels.linear_cross_entropy``), which never holds the whole ``[B, T, V]``
         logits; None computes the full logits and differentiates them plainly. The loss is
@@ -211,8 +210,10 @@ class GPTConfig:
                 f"top_k must be <= num_experts={self.num_experts}, got top_k={self.top_k}"
             )
         check_non_negative("moe_aux_weight", self.moe_aux_weight, accept="static")
-        if self.moe_impl not in IMPLS:
-            raise ValueError(f"moe_impl must be one of {IMPLS}, got moe_impl={self.moe_impl!r}")
+        if self.moe_impl not in rl.MoE.IMPLS:
+            raise ValueError(
+                f"moe_impl must be one of {rl.MoE.IMPLS}, got moe_impl={self.moe_impl!r}"
+            )
         if self.loss_chunk is not None:
             check_positive_int("loss_chunk", self.loss_chunk)
 
@@ -259,7 +260,7 @@ class Block(nnx.Module):
         self.mlp_norm = norm()
         self.is_moe = c.num_experts > 0
         if self.is_moe:
-            self.mlp = MoE(
+            self.mlp = rl.MoE(
                 c.d_model,
                 c.mlp_hidden,
                 c.num_experts,

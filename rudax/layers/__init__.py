@@ -9,7 +9,8 @@ puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
 frozen base stored in 4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
 ``apply_lora(..., quantize_base="nf4")`` builds while it adapts. ``remat`` checkpoints a
 block's activations under a named policy (``REMAT_POLICIES``), ``scan_layers`` runs a stack
-of identical layers as one ``lax.scan``. ``Attention`` is self-attention
+of identical layers as one ``lax.scan``. ``MoE`` is a dropless top-k mixture of SwiGLU
+experts with its load-balancing loss (``load_balancing_loss``). ``Attention`` is self-attention
 with rotary positions (``apply_rope``, ``rope_frequencies``, ``Llama3RopeScaling``) over
 rudax.kernels' ``flash_attention``: grouped-query heads, packed rows, windows and soft caps.
 """
@@ -32,6 +33,8 @@ from rudax.layers._lora import Frozen as Frozen
 from rudax.layers._lora import LoRALinear as LoRALinear
 from rudax.layers._lora import LoRAParam as LoRAParam
 from rudax.layers._mlp import GatedMLP as GatedMLP
+from rudax.layers._moe import MoE as MoE
+from rudax.layers._moe import load_balancing_loss as load_balancing_loss
 from rudax.layers._nf4_linear import NF4Linear as NF4Linear
 from rudax.layers._nf4_linear import Quantized as Quantized
 from rudax.layers._norms import LayerNorm as LayerNorm
@@ -58,6 +61,7 @@ __all__ = [
     "Llama3RopeScaling",
     "LoRALinear",
     "LoRAParam",
+    "MoE",
     "ModuleNames",
     "NF4Linear",
     "Quantized",
@@ -66,6 +70,7 @@ __all__ = [
     "apply_lora",
     "apply_rope",
     "load_adapter",
+    "load_balancing_loss",
     "lookup",
     "lora_state",
     "merge_lora",

@@ -114,9 +114,9 @@ def _assert_within(got, exact, bound, what):
     got64 = np.asarray(got, np.float64).reshape(exact.shape)
     err = np.abs(got64 - exact)
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert np.all(
-        err <= bound
-    ), f"{what}: |error| {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+    assert np.all(err <= bound), (
+        f"{what}: |error| {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -388,13 +388,14 @@ def test_pallas_refuses_what_it_does_not_take():
 
 
 def test_auto_takes_xla_on_every_platform_and_pallas_is_asked_for():
-    """"auto" is the XLA path, also for CUDA (3.4x faster than the kernels on an H200);
+    """The "auto" path is XLA, also for CUDA (3.4x faster than the kernels on an H200);
     impl="pallas" exports the forward and backward kernels for CUDA."""
     q = _weight_and_q(40, 96)
     x = jax.ShapeDtypeStruct((3, 96), jnp.bfloat16)
     assert "rudax_on_platform" not in str(jax.make_jaxpr(lambda x: rk.nf4_matmul(x, q))(x))
     auto = lambda x: rk.nf4_matmul(x, q)
     assert gpu_calls(export(auto, x, platforms=["cuda"]).mlir_module()) == 0
+
     def pallas(x):
         y, vjp = jax.vjp(lambda x: rk.nf4_matmul(x, q, impl="pallas"), x)
         return y, vjp(jnp.ones_like(y))[0]

@@ -116,7 +116,7 @@ def test_one_export_holds_pallas_for_cuda_and_xla_for_the_cpu(case):
 @pytest.mark.skipif(ON_GPU, reason="checks the refusal off a GPU; on a GPU impl='pallas' runs")
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_pallas_exports_for_cuda_and_refuses_when_run_here(case):
-    name, factory, args, _ = case
+    _, factory, args, _ = case
     op = factory("pallas")
     assert gpu_calls(export(op, *args, platforms=["cuda"]).mlir_module()) >= 1
     match = r"impl='pallas' compiles the Pallas kernel for a GPU .* lowered for cpu: pass"

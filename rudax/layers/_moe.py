@@ -19,15 +19,17 @@ composite that XLA can lower to a grouped matmul (not measured here: no GPU on t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import rudax.layers as rl
 from rudax._validation import check_positive_int, float_dtype
 from rudax.kernels import silu_mul
+from rudax.layers._linear import Linear
+
+__all__ = ["IMPLS", "MoE", "load_balancing_loss", "routed_experts"]
 
 IMPLS = ("auto", "ragged", "dense")
 
@@ -52,7 +54,7 @@ def load_balancing_loss(probs_NxE: jax.Array, experts_NxK: jax.Array) -> jax.Arr
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from examples.lm.moe import load_balancing_loss
+      >>> from rudax.layers import load_balancing_loss
       >>> load_balancing_loss(jnp.full((4, 2), 0.5), jnp.array([[0], [1], [0], [1]]))
       Array(1., dtype=float32)
 
@@ -99,7 +101,7 @@ class MoE(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from examples.lm.moe import MoE
+      >>> from rudax.layers import MoE
       >>> moe = MoE(8, 16, 4, top_k=2, rngs=nnx.Rngs(0))
       >>> y, aux = moe(jnp.ones((2, 3, 8)))
       >>> y.shape, aux.dtype
@@ -111,6 +113,8 @@ class MoE(nnx.Module):
       <https://arxiv.org/abs/2401.04088>`_, 2024; Gale et al., `MegaBlocks
       <https://arxiv.org/abs/2211.15841>`_, 2022 (dropless).
     """
+
+    IMPLS: ClassVar[tuple[str, ...]] = IMPLS
 
     def __init__(
         self,
@@ -140,7 +144,7 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k, self.impl = num_experts, top_k, impl
         # The router runs in fp32 whatever the activations: its softmax and the top-k choice
         # are where bf16 rounding would flip which expert a token goes to.
-        self.router = rl.Linear(
+        self.router = Linear(
             features,
             num_experts,
             use_bias=False,
@@ -160,18 +164,49 @@ class MoE(nnx.Module):
         c = x.dtype if self.dtype is None else self.dtype
         x_NxD = x.reshape(-1, self.features).astype(c)
         probs_NxE = jax.nn.softmax(self.router(x_NxD), axis=-1)
-        gates_NxK, experts_NxK = jax.lax.top_k(probs_NxE, self.top_k)
-        gates_NxK = gates_NxK / jnp.sum(gates_NxK, axis=-1, keepdims=True)
-        aux = load_balancing_loss(probs_NxE, experts_NxK)
-        impl = self.impl
-        if impl == "auto":
-            impl = "dense" if jax.default_backend() == "cpu" else "ragged"
         weights = [w[...].astype(c) for w in (self.w_gate, self.w_up, self.w_down)]
-        if impl == "ragged":
-            y_NxD = _ragged_experts(x_NxD, experts_NxK, gates_NxK, *weights)
-        else:
-            y_NxD = _dense_experts(x_NxD, experts_NxK, gates_NxK, *weights)
+        y_NxD, experts_NxK = routed_experts(
+            x_NxD, probs_NxE, *weights, top_k=self.top_k, impl=self.impl
+        )
+        aux = load_balancing_loss(probs_NxE, experts_NxK)
         return y_NxD.astype(c).reshape((*x.shape[:-1], self.features)), aux
+
+
+def routed_experts(
+    x_NxD: jax.Array,
+    probs_NxE: jax.Array,
+    w_gate_ExDxH: jax.Array,
+    w_up_ExDxH: jax.Array,
+    w_down_ExHxD: jax.Array,
+    *,
+    top_k: int,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Each token through its ``top_k`` most probable SwiGLU experts, gates renormalized.
+
+    The shared core of ``MoE`` and of ``rudax.models``' Mixtral block, which differ only in
+    where the router's probabilities come from::
+
+        experts, g = top_k(probs); g = g / sum(g)
+        y = sum_k g_k * (silu(x @ w_gate[e_k]) * (x @ w_up[e_k])) @ w_down[e_k]
+
+    Args:
+      x_NxD: the tokens, in the experts' compute dtype.
+      probs_NxE: the router's probabilities (fp32).
+      w_gate_ExDxH, w_up_ExDxH, w_down_ExHxD: the stacked expert weights, in ``x``'s dtype.
+      top_k: experts per token.
+      impl: ``"auto"``, ``"ragged"`` or ``"dense"`` (module docstring).
+
+    Returns:
+      ``(y_NxD, experts_NxK)``: the combined output in fp32 and the chosen experts.
+    """
+    gates_NxK, experts_NxK = jax.lax.top_k(probs_NxE, top_k)
+    gates_NxK = gates_NxK / jnp.sum(gates_NxK, axis=-1, keepdims=True)
+    if impl == "auto":
+        impl = "dense" if jax.default_backend() == "cpu" else "ragged"
+    run = _ragged_experts if impl == "ragged" else _dense_experts
+    y_NxD = run(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxH, w_up_ExDxH, w_down_ExHxD)
+    return y_NxD, experts_NxK
 
 
 def _check_input(x: jax.Array, features: int) -> None:
