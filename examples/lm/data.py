@@ -42,9 +42,9 @@ MAGIC = b"RUDAXTOK"
 VERSION = 1
 
 
-def _check_int(name: str, value: Any, *, positive: bool = True) -> None:
-    """A TypeError naming ``name`` unless ``value`` is an int (not a bool); a ValueError
-    unless it is > 0 when ``positive``."""
+def check_int(name: str, value: Any, *, positive: bool = True) -> None:
+    """The programs' argument check: a TypeError naming ``name`` unless ``value`` is an int
+    (not a bool); a ValueError unless it is > 0 when ``positive``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {name}={value!r}")
     if positive and value <= 0:
@@ -90,7 +90,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
       >>> token_dtype(8192), token_dtype(100_000)
       (dtype('uint16'), dtype('uint32'))
     """
-    _check_int("vocab_size", vocab_size)
+    check_int("vocab_size", vocab_size)
     if vocab_size > 2**32:
         raise ValueError(f"vocab_size must be at most 2**32, got {vocab_size=}")
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
@@ -249,9 +249,9 @@ class TokenLoader:
             raise TypeError(f"paths must be a sequence of shard paths, got {paths=}")
         if not paths:
             raise ValueError("paths must name at least one token shard, got paths=[]")
-        _check_int("seq_len", seq_len)
-        _check_int("batch_size", batch_size)
-        _check_int("seed", seed, positive=False)
+        check_int("seq_len", seq_len)
+        check_int("batch_size", batch_size)
+        check_int("seed", seed, positive=False)
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {seed=}")
         if checksums is not None and (isinstance(checksums, str) or len(checksums) != len(paths)):
@@ -259,7 +259,7 @@ class TokenLoader:
                 f"checksums must hold one SHA-256 per path ({len(paths)}), got {checksums=}"
             )
         if vocab_size is not None:
-            _check_int("vocab_size", vocab_size)
+            check_int("vocab_size", vocab_size)
         self.paths = [Path(p) for p in paths]
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         digests = [None] * len(paths) if checksums is None else list(checksums)
@@ -299,7 +299,7 @@ class TokenLoader:
           int32 array of shape (batch_size // num_shards, seq_len + 1).
         """
         self._check_shard(shard, num_shards)
-        _check_int("i", i, positive=False)
+        check_int("i", i, positive=False)
         if not 0 <= i < 2**64:
             raise ValueError(f"i must be in [0, 2**64), got {i=}")
         rng = np.random.Generator(np.random.Philox(key=np.array([self.seed, i], np.uint64)))
@@ -322,7 +322,7 @@ class TokenLoader:
         Returns:
           A list of ``n`` int32 arrays of shape (batch_size // num_shards, seq_len + 1).
         """
-        _check_int("n", n)
+        check_int("n", n)
         self._check_shard(shard, num_shards)
         last = self.num_tokens - self.seq_len - 1
         offsets = np.round(np.linspace(0, last, n * self.batch_size)).astype(np.int64)
@@ -332,8 +332,8 @@ class TokenLoader:
         ]
 
     def _check_shard(self, shard: int, num_shards: int) -> None:
-        _check_int("num_shards", num_shards)
-        _check_int("shard", shard, positive=False)
+        check_int("num_shards", num_shards)
+        check_int("shard", shard, positive=False)
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard must be in [0, {num_shards=}), got {shard=}")
         if self.batch_size % num_shards:

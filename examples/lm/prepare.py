@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from examples.lm.corpus import CorpusError, FolderCorpus, open_corpus
-from examples.lm.data import TokenLoader
+from examples.lm.data import TokenLoader, check_int
 from examples.lm.tokenizer import SPLITS, TOKENIZER, tokenize_corpus
-from rudax._validation import check_bool, check_in_range, check_int, check_positive_int
 
 FORMAT = 1
 META = "prepared.json"
@@ -111,7 +110,7 @@ def prepare(
       (270, 'uint16', ['train', 'val'])
     """
     _check_args(vocab_size, val_fraction, seed, force, text_column, bpe_sample_bytes, shard_tokens)
-    check_bool("verbose", verbose)
+    _check_bool("verbose", verbose)
     log = print if verbose else lambda *_: None
     start = time.perf_counter()
     corpus = open_corpus(data, text_column=text_column)
@@ -257,21 +256,28 @@ def open_split(
 
 
 def _check_args(vocab_size, val_fraction, seed, force, text_column, bpe_sample_bytes, shard_tokens):
-    check_int("vocab_size", vocab_size)
+    check_int("vocab_size", vocab_size, positive=False)
     if not MIN_VOCAB <= vocab_size <= 2**32:
         raise ValueError(
             f"vocab_size must be in [{MIN_VOCAB}, 2**32] (256 bytes + <|endoftext|> at least), "
             f"got {vocab_size=}"
         )
-    check_in_range("val_fraction", val_fraction, 0.0, 1.0, low_inclusive=False, accept="static")
-    check_int("seed", seed)
+    fraction_ok = isinstance(val_fraction, int | float) and not isinstance(val_fraction, bool)
+    if not (fraction_ok and 0.0 < val_fraction < 1.0):
+        raise ValueError(f"val_fraction must be in (0.0, 1.0), got val_fraction={val_fraction!r}")
+    check_int("seed", seed, positive=False)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed=}")
-    check_bool("force", force)
+    _check_bool("force", force)
     if not isinstance(text_column, str) or not text_column:
         raise ValueError(f"text_column must be a non-empty string, got {text_column=}")
-    check_positive_int("bpe_sample_bytes", bpe_sample_bytes)
-    check_positive_int("shard_tokens", shard_tokens)
+    check_int("bpe_sample_bytes", bpe_sample_bytes)
+    check_int("shard_tokens", shard_tokens)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
 
 
 def _state(out_dir: Path, settings: dict, fingerprint: str) -> tuple[str, str]:

@@ -23,8 +23,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from examples.lm.corpus import Corpus, CorpusError, Document
-from examples.lm.data import shard_sha256, token_dtype, write_tokens
-from rudax._validation import check_positive_int
+from examples.lm.data import check_int, shard_sha256, token_dtype, write_tokens
 
 EOT = "<|endoftext|>"
 TOKENIZER = "tokenizer.json"
@@ -58,7 +57,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
       >>> tok.token_to_id("<|endoftext|>")
       0
     """
-    check_positive_int("vocab_size", vocab_size)
+    check_int("vocab_size", vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -96,7 +95,7 @@ def encode_documents(
       >>> [(s, t.tolist()) for s, t in encode_documents(tok, [("train", "ab")], shard_tokens=8)]
       [('train', [257, 0])]
     """
-    check_positive_int("shard_tokens", shard_tokens)
+    check_int("shard_tokens", shard_tokens)
     eot = tokenizer.token_to_id(EOT)
     if eot is None:
         raise ValueError(f"the tokenizer has no {EOT} token")
@@ -160,7 +159,7 @@ def bpe_sample(
       >>> list(bpe_sample(docs, budget=10, expected_chars=24))
       ['abcd', 'abcd', 'ab']
     """
-    check_positive_int("budget", budget)
+    check_int("budget", budget)
     rate, used, seen = budget / max(1.0, expected_chars), 0, 0
     for doc in documents:
         if used >= budget:
