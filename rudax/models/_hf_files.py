@@ -30,7 +30,7 @@ from flax import nnx
 
 import rudax.kernels as rk
 import rudax.layers as rl
-from rudax.models import _llama, _llama_layers
+from rudax.models import _llama, _llama_layers, _mixtral
 from rudax.models._hf_names import load_state, state_dict
 from rudax.models._llama import LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig
@@ -159,7 +159,8 @@ def from_pretrained(
         frozen ``rudax.layers.NF4Linear`` as it is read (rounded to ``param_dtype`` first, then
         ``rudax.kernels.nf4_quantize`` with double quantization in blocks of 64, a chunk at a
         time), QLoRA's base: the whole model in ``param_dtype`` never exists. The embedding,
-        norms and head stay in ``param_dtype``, as bitsandbytes leaves them. A projection
+        norms and head stay in ``param_dtype``, as bitsandbytes leaves them, and so do a
+        Mixtral's router and experts (stacked, not ``Linear`` layers). A projection
         holding NaN or inf is refused, naming it: NF4 cannot store it.
 
     Returns:
@@ -204,7 +205,9 @@ def _quantize_projections(
     dtype = model.config.param_dtype
     for i, layer in enumerate(model.model.layers):
         for part in ("self_attn", "mlp"):
-            parent = getattr(layer, part)
+            parent = getattr(layer, part, None)  # a Mixtral layer has no mlp
+            if parent is None:
+                continue
             prefix = f"model.layers.{i}.{part}"
             for attr in PROJECTIONS:
                 linear = getattr(parent, attr, None)
@@ -320,6 +323,8 @@ _PLAIN = (
     _llama_layers.LlamaDecoderLayer,
     _llama_layers.LlamaAttention,
     _llama_layers.LlamaMLP,
+    _mixtral.MixtralSparseMoeBlock,
+    _mixtral.MixtralExperts,
     nnx.List,
     rl.Linear,
     rl.RMSNorm,

@@ -15,6 +15,18 @@ rudax leaf          Hugging Face leaf   transposed
 
 and the output head's table, ``lm_head.embedding``, is ``lm_head.weight`` (the same
 ``[V, d]`` layout). A tied head shares the embedding's leaf, so it has no file name of its own.
+
+A stacked leaf holds one tensor of the file per index of its leading axis, each transposed:
+
+==================  ================================
+rudax leaf          Hugging Face names (i = 0 .. n-1)
+==================  ================================
+``experts.w1``      ``experts.{i}.w1.weight``
+``experts.w2``      ``experts.{i}.w2.weight``
+``experts.w3``      ``experts.{i}.w3.weight``
+==================  ================================
+
+(Mixtral's experts, ``[E, in, out]`` here, ``E`` tensors ``[out, in]`` in the file.)
 """
 
 from __future__ import annotations
@@ -38,22 +50,36 @@ LEAVES: Mapping[str, tuple[str, bool]] = {
 }
 
 
-def hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
-    """``(name, transposed)`` of the parameter at nnx ``path``; a KeyError for a leaf the
-    table does not name."""
+# (parent module, rudax leaf) -> the file name of slice i along the leading axis
+STACKED: Mapping[tuple[str, str], str] = {
+    ("experts", "w1"): "{i}.w1.weight",
+    ("experts", "w2"): "{i}.w2.weight",
+    ("experts", "w3"): "{i}.w3.weight",
+}
+
+
+def hf_name(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[list[str], bool]:
+    """``(names, transposed)`` of the parameter at nnx ``path``: one name, or one per slice
+    of a stacked leaf; a KeyError for a leaf the tables do not name."""
     *modules, leaf = (str(p) for p in path)
+    stacked = STACKED.get((modules[-1] if modules else "", leaf))
+    if stacked is not None:
+        return [".".join([*modules, stacked.format(i=i)]) for i in range(shape[0])], True
     if leaf not in LEAVES:
         raise KeyError(f"{'.'.join(map(str, path))}: no Hugging Face name for a {leaf!r} leaf")
     name, transposed = LEAVES[leaf]
-    return ".".join([*modules, name]), transposed
+    return [".".join([*modules, name])], transposed
 
 
-def hf_names(model: nnx.Module) -> Iterator[tuple[str, tuple[Any, ...], nnx.Variable, bool]]:
-    """``(hf name, nnx path, variable, transposed)`` for each parameter, shared ones once."""
+def hf_names(
+    model: nnx.Module,
+) -> Iterator[tuple[list[str], tuple[Any, ...], nnx.Variable, bool]]:
+    """``(hf names, nnx path, variable, transposed)`` for each parameter, shared ones once;
+    a stacked leaf has one name per slice of its leading axis."""
     for path, variable in nnx.iter_graph(model):
         if isinstance(variable, nnx.Param):
-            name, transposed = hf_name(path)
-            yield name, path, variable, transposed
+            names, transposed = hf_name(path, variable.shape)
+            yield names, path, variable, transposed
 
 
 def _tied_aliases(model: nnx.Module) -> dict[str, str]:
@@ -91,22 +117,27 @@ def load_state(
     tied = {n for pair in _tied_aliases(model).items() for n in pair}
     used: set[str] = set()
     seen: set[int] = set()
-    for name, path, variable, transposed in list(hf_names(model)):
+    for hf, path, variable, transposed in list(hf_names(model)):
         if id(variable) in seen:
             continue
         seen.add(id(variable))
-        group = tied if name in tied else {name}
-        present = sorted(group & names, key=lambda n: n != name)  # its own name first
-        if not present:
-            raise ValueError(f"{where}: no tensor {name!r} (for {'.'.join(map(str, path))})")
-        source = present[0]
-        tensor = np.asarray(get_tensor(source))
-        value = tensor.T if transposed else tensor
-        if value.shape != variable.shape:
-            shape = tuple(reversed(variable.shape)) if transposed else variable.shape
-            raise ValueError(f"{where}: {source} has shape {tensor.shape}, the model's {shape}")
+        slices = []
+        for name in hf:
+            group = tied if name in tied else {name}
+            present = sorted(group & names, key=lambda n: n != name)  # its own name first
+            if not present:
+                raise ValueError(f"{where}: no tensor {name!r} (for {'.'.join(map(str, path))})")
+            source = present[0]
+            tensor = np.asarray(get_tensor(source))
+            want = variable.shape[1:] if _stacked(path) else variable.shape
+            value = tensor.T if transposed else tensor
+            if value.shape != want:
+                shape = tuple(reversed(want)) if transposed else want
+                raise ValueError(f"{where}: {source} has shape {tensor.shape}, the model's {shape}")
+            slices.append(value)
+            used |= group & names
+        value = np.stack(slices) if _stacked(path) else slices[0]
         variable.set_value(jnp.asarray(value, variable.dtype))
-        used |= group & names
     extra = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ValueError(
@@ -115,16 +146,22 @@ def load_state(
         )
 
 
+def _stacked(path: tuple[Any, ...]) -> bool:
+    return len(path) >= 2 and (str(path[-2]), str(path[-1])) in STACKED
+
+
 def state_dict(model: nnx.Module) -> dict[str, jax.Array]:
     """Every parameter under its Hugging Face name, in torch's layout (a tied head once, as
     ``model.embed_tokens.weight``)."""
     out: dict[str, jax.Array] = {}
     seen: set[int] = set()
     aliases = _tied_aliases(model)
-    for name, _, variable, transposed in hf_names(model):
+    for hf, path, variable, transposed in hf_names(model):
         if id(variable) in seen:
             continue
         seen.add(id(variable))
         value = variable[...]
-        out[aliases.get(name, name)] = value.T if transposed else value
+        slices = list(value) if _stacked(path) else [value]
+        for name, piece in zip(hf, slices, strict=True):
+            out[aliases.get(name, name)] = piece.T if transposed else piece
     return out

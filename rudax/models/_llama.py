@@ -3,12 +3,13 @@
 ``model.layers[3].self_attn.q_proj`` here is ``model.layers.3.self_attn.q_proj`` in a
 transformers checkpoint and in a peft adapter, so LoRA targets, adapter keys and weight names
 need no translation code: a leaf's Hugging Face name is its module path plus the leaf's
-name in a four-row table (``rudax.models._hf_names``).
+name in a small table (``rudax.models._hf_names``; Mixtral's stacked experts are split
+along their leading axis there).
 
 The arithmetic is transformers' Llama: pre-norm RMSNorm blocks, rotary positions (Llama 3's
 scaling), grouped-query attention through ``rudax.kernels.flash_attention`` (O(T) memory,
-packed rows, Mistral's window), a SwiGLU MLP, optional q/k/v (Qwen2) and o/MLP biases, tied
-or separate output head.
+packed rows, Mistral's window), a SwiGLU MLP (or Mixtral's routed experts), optional q/k/v
+(Qwen2) and o/MLP biases, tied or separate output head.
 
 A forward call takes token ids and returns logits. Generation passes a ``KVCache``
 (``init_cache``): the prompt is run once (prefill, causal attention over it, keys and values
@@ -31,6 +32,7 @@ from rudax.layers._remat import Policy
 from rudax.models._kv_cache import KVCache
 from rudax.models._llama_config import LlamaConfig
 from rudax.models._llama_layers import INIT, LlamaDecoderLayer
+from rudax.models._mixtral import load_balancing_loss
 
 __all__ = ["KVCache", "LlamaForCausalLM"]
 
@@ -62,7 +64,7 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """A Llama-family causal LM (Llama 2/3/3.1, Qwen2, Mistral, SmolLM) with HF's module names.
+    """A Llama-family causal LM (Llama 2/3/3.1, Qwen2, Mistral, Mixtral, SmolLM) with HF's names.
 
     Args:
       config: the architecture, a ``LlamaConfig``.
@@ -143,6 +145,15 @@ class LlamaForCausalLM(nnx.Module):
         for layer in self.model.layers:
             layer.self_attn.impl, layer.self_attn.interpret = impl, interpret
 
+    def set_moe_impl(self, impl: str) -> None:
+        """How a Mixtral's experts run in every layer: ``"auto"``, ``"ragged"`` (grouped
+        matmuls) or ``"dense"`` (every expert on every token): ``rudax.layers.MoE``'s."""
+        if impl not in rl.MoE.IMPLS:
+            raise ValueError(f"impl must be one of {rl.MoE.IMPLS}, got {impl=}")
+        for layer in self.model.layers:
+            if hasattr(layer, "block_sparse_moe"):
+                layer.block_sparse_moe.impl = impl
+
     def init_cache(self, batch_size: int, size: int, *, dtype: DTypeLike | None = None) -> KVCache:
         """An empty ``KVCache`` of ``size`` slots for ``batch_size`` rows.
 
@@ -173,7 +184,7 @@ class LlamaForCausalLM(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
     ) -> Any:
-        h, cache = self.hidden_states(
+        h, cache, _ = self.hidden_states(
             input_ids, positions=positions, segment_ids=segment_ids, cache=cache
         )
         logits = self.lm_head(h)
@@ -186,8 +197,11 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """The final norm's output ``[B, T, d]`` (what ``lm_head`` projects), and the cache."""
+    ) -> tuple[jax.Array, KVCache | None, jax.Array]:
+        """``(h, cache, aux_loss)``: the final norm's output ``[B, T, d]`` (what ``lm_head``
+        projects), the updated cache (None without one), and, for a Mixtral, transformers'
+        load-balancing ``aux_loss`` over the real tokens (segment id != 0) of a call without
+        a cache (fp32; 0 for a dense model or with a cache)."""
         ids = jnp.asarray(input_ids)
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(
@@ -211,11 +225,19 @@ class LlamaForCausalLM(nnx.Module):
             context = {"positions": positions, "segment_ids": segment_ids}
             if self.scan_layers:
                 layers = list(self.model.layers)
-                x, _ = rl.scan_layers(layers, x, remat_policy=self.remat, **context)
+                x, (_, balance) = rl.scan_layers(layers, x, remat_policy=self.remat, **context)
             else:
+                balances = []
                 for layer in self.model.layers:
-                    x, _ = rl.remat(layer, policy=self.remat)(x, **context)
-            return self.model.norm(x), None
+                    x, (_, b) = rl.remat(layer, policy=self.remat)(x, **context)
+                    balances.append(b)
+                balance = (
+                    None
+                    if balances[0] is None
+                    else jax.tree.map(lambda *a: jnp.stack(a), *balances)
+                )
+            aux = jnp.zeros((), jnp.float32) if balance is None else load_balancing_loss(*balance)
+            return self.model.norm(x), None, aux
         if cache.valid.shape[0] != b:
             raise ValueError(f"cache holds {cache.valid.shape[0]} rows, input_ids {b}")
         # The slots these tokens fill, and which of them hold real tokens (segment 1).
@@ -226,7 +248,7 @@ class LlamaForCausalLM(nnx.Module):
         state = dataclasses.replace(cache, valid=valid, positions=slot_positions)
         keys, values = [], []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(
+            x, (kv, _) = layer(
                 x,
                 positions=positions,
                 segment_ids=segment_ids,
@@ -243,4 +265,4 @@ class LlamaForCausalLM(nnx.Module):
             positions=slot_positions,
             length=start + t,
         )
-        return self.model.norm(x), new
+        return self.model.norm(x), new, jnp.zeros((), jnp.float32)

@@ -1,9 +1,10 @@
 """``LlamaConfig``: a Llama-family decoder's architecture in Hugging Face's field names.
 
 One class covers the checkpoints that differ from Llama only in options: Llama 2, 3 and 3.1
-(Llama 3's RoPE scaling), Qwen2 (q/k/v biases), Mistral (a sliding window), and SmolLM-style
-tied embeddings. Every field is checked when a config is built. Its ``config.json`` form
-(``from_hf`` / ``to_hf``) is ``rudax.models._llama_hf_json``'s.
+(Llama 3's RoPE scaling), Qwen2 (q/k/v biases), Mistral (a sliding window), Mixtral (a
+mixture of experts in place of each MLP), and SmolLM-style tied embeddings. Every field is
+checked when a config is built. Its ``config.json`` form (``from_hf`` / ``to_hf``) is
+``rudax.models._llama_hf_json``'s.
 """
 
 from __future__ import annotations
@@ -52,8 +53,14 @@ class LlamaConfig:
       mlp_bias: the MLP's projections have biases (Llama's ``mlp_bias``).
       sliding_window: None, or each query sees itself and the ``sliding_window - 1`` keys
         before it (Mistral's, in every layer).
-      model_type: ``"llama"``, ``"qwen2"`` or ``"mistral"``: which transformers class
-        ``to_hf`` names.
+      num_local_experts: None for a dense SwiGLU MLP in every layer; E >= 1 for Mixtral's
+        sparse block: a router over E SwiGLU experts of ``intermediate_size`` each.
+      num_experts_per_tok: experts each token is routed to, in ``[1, num_local_experts]``.
+      router_aux_loss_coef: the weight of the load-balancing loss in the training loss.
+      output_router_logits: whether the training loss (``causal_lm_loss_sum``) adds the
+        load-balancing loss, as transformers' Mixtral adds it only then.
+      model_type: ``"llama"``, ``"qwen2"``, ``"mistral"`` or ``"mixtral"``: which
+        transformers class ``to_hf`` names.
       param_dtype: the checkpoint's storage dtype (``dtype`` / ``torch_dtype``).
       bos_token_id, eos_token_id, pad_token_id: the token ids the checkpoint names (an int,
         a tuple of ints or None), kept for generation.
@@ -84,6 +91,10 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    num_local_experts: int | None = None
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
     model_type: str = "llama"
     param_dtype: Any = jnp.float32
     bos_token_id: TokenIds = None
@@ -134,6 +145,7 @@ class LlamaConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
+        self._check_experts()
         if self.model_type not in _ARCHITECTURES:
             raise ValueError(
                 f"model_type={self.model_type!r} is not one of {sorted(_ARCHITECTURES)}"
@@ -147,6 +159,32 @@ class LlamaConfig:
         object.__setattr__(self, "param_dtype", dtype)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             object.__setattr__(self, name, _token_ids(name, getattr(self, name)))
+
+    def _check_experts(self) -> None:
+        experts = self.num_local_experts
+        if experts is not None:
+            _check_positive_int("num_local_experts", experts)
+            _check_positive_int("num_experts_per_tok", self.num_experts_per_tok)
+            if self.num_experts_per_tok > experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be <= "
+                    f"num_local_experts={experts}"
+                )
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, int | float):
+            raise TypeError(f"router_aux_loss_coef must be a number, got {coef!r}")
+        if not (math.isfinite(coef) and coef >= 0):
+            raise ValueError(f"router_aux_loss_coef must be finite and >= 0, got {coef!r}")
+        object.__setattr__(self, "router_aux_loss_coef", float(coef))
+        if not isinstance(self.output_router_logits, bool):
+            raise TypeError(
+                f"output_router_logits must be a bool, got {self.output_router_logits!r}"
+            )
+        if (self.model_type == "mixtral") != (experts is not None):
+            raise ValueError(
+                f"model_type={self.model_type!r} with num_local_experts={experts}: experts are "
+                "Mixtral's (model_type='mixtral'), and a Mixtral has experts"
+            )
 
     @property
     def window(self) -> tuple[int, int] | None:

@@ -42,6 +42,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 # Fields that do not change what the weights compute. The PretrainedConfig attributes of
@@ -94,6 +95,16 @@ _FAMILY_READ = {
         {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
     ),
     "mistral": frozenset({"sliding_window", "layer_types"}),
+    "mixtral": frozenset(
+        {
+            "sliding_window",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "router_aux_loss_coef",
+            "output_router_logits",
+            "router_jitter_noise",
+        }
+    ),
 }
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ROPE_TYPES = ("default", "llama3")
@@ -145,6 +156,7 @@ def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
         refuse("attention_dropout", "attention has no dropout here (0.0 only)")
     qkv_bias = o_bias = mlp_bias = False
     window = None
+    experts: dict[str, Any] = {}
     if family == "llama":
         qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         mlp_bias = bool(hf.get("mlp_bias", False))
@@ -159,6 +171,14 @@ def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
             refuse("use_sliding_window", "Qwen2's per-layer windows are not implemented")
         # sliding_window and max_window_layers act only with use_sliding_window; Qwen2
         # checkpoints carry them (4096, 28...) with it off.
+    elif family == "mixtral":
+        window = hf.get("sliding_window")
+        if hf.get("router_jitter_noise", 0.0) not in (0, 0.0):
+            refuse("router_jitter_noise", "the router has no jitter here (0.0 only)")
+        experts = {"num_local_experts": need("num_local_experts")}
+        for key in ("num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"):
+            if key in hf:
+                experts[key] = hf[key]
     else:  # mistral: one window in every layer, or none
         window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
@@ -193,6 +213,7 @@ def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            **experts,
         )
     except (TypeError, ValueError) as e:
         raise type(e)(f"{CONFIG}: {e}") from e
@@ -345,6 +366,15 @@ def to_hf(c: LlamaConfig) -> dict[str, Any]:
             )
         else:
             hf.update(sliding_window=c.sliding_window)
+    if family == "mixtral":
+        assert c.num_local_experts is not None  # checked when the config was built
+        hf.update(
+            num_local_experts=c.num_local_experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            router_aux_loss_coef=c.router_aux_loss_coef,
+            output_router_logits=c.output_router_logits,
+            router_jitter_noise=0.0,
+        )
     return hf
 
 

@@ -1,7 +1,8 @@
 """The layers of a Llama decoder block, with Hugging Face's attribute names: ``LlamaAttention``
 (grouped-query attention with RoPE, prefill and decode through a ``KVCache``), ``LlamaMLP``
-(SwiGLU) and ``LlamaDecoderLayer`` (pre-norm residual block). ``LlamaForCausalLM`` in
-``_llama.py`` stacks them.
+(SwiGLU) and ``LlamaDecoderLayer`` (pre-norm residual block, with Mixtral's
+``block_sparse_moe`` from ``_mixtral.py`` in place of ``mlp`` when the config has experts).
+``LlamaForCausalLM`` in ``_llama.py`` stacks them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import rudax.layers as rl
 from rudax.layers._rope import apply_rope
 from rudax.models._kv_cache import KVCache
 from rudax.models._llama_config import LlamaConfig
+from rudax.models._mixtral import MixtralSparseMoeBlock
 
 __all__ = ["INIT", "LlamaAttention", "LlamaDecoderLayer", "LlamaMLP"]
 
@@ -135,7 +137,11 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (or Mixtral's ``block_sparse_moe``).
+
+    A call returns ``(x, (cache, balance))``: the attention's updated cache (None without
+    one) and, for a Mixtral layer, its load-balancing statistics (None for a dense one).
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, rngs: nnx.Rngs):
         c = config
@@ -145,11 +151,17 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_layernorm = norm()
         self.self_attn = LlamaAttention(c, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = norm()
-        self.mlp = LlamaMLP(c, dtype=dtype, rngs=rngs)
+        if c.num_local_experts is None:
+            self.mlp = LlamaMLP(c, dtype=dtype, rngs=rngs)
+        else:
+            self.block_sparse_moe = MixtralSparseMoeBlock(c, dtype=dtype, rngs=rngs)
 
-    def __call__(
-        self, x: jax.Array, **attention: Any
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    def __call__(self, x: jax.Array, **attention: Any) -> tuple[jax.Array, tuple[Any, Any]]:
         a, cache = self.self_attn(self.input_layernorm(x), **attention)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        h = self.post_attention_layernorm(x)
+        if hasattr(self, "block_sparse_moe"):
+            m, balance = self.block_sparse_moe(h, segment_ids=attention.get("segment_ids"))
+        else:
+            m, balance = self.mlp(h), None
+        return x + m, (cache, balance)

@@ -50,9 +50,14 @@ def causal_lm_loss_sum(
         must be in ``[0, vocab_size)`` or -100.
       chunk: tokens per chunk of the fused head and loss.
 
+    A Mixtral whose config has ``output_router_logits`` adds its load-balancing loss as
+    transformers does (``loss = ce_mean + router_aux_loss_coef * aux_loss``), as a sum:
+    ``ce_sum + router_aux_loss_coef * aux_loss * count``.
+
     Returns:
-      ``(ce_sum, {"tokens": count (int32), "ce_sum": ce_sum})``; the mean cross entropy is
-      ``ce_sum / tokens``.
+      ``(loss, {"tokens": count (int32), "ce_sum": ce_sum, "aux_loss": aux_loss (fp32, 0
+      for a dense model)})``; the loss is ``ce_sum`` but for the Mixtral term above, and the
+      mean cross entropy is ``ce_sum / tokens``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -77,7 +82,7 @@ def causal_lm_loss_sum(
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     arrays = _check_batch(batch)
     tokens, labels = arrays["tokens"], arrays["labels"]
-    h, _ = model.hidden_states(
+    h, _, aux = model.hidden_states(
         tokens, segment_ids=arrays.get("segment_ids"), positions=arrays.get("positions")
     )
     head = model.lm_head
@@ -90,7 +95,14 @@ def causal_lm_loss_sum(
         dtype=head.dtype,
         chunk=chunk,
     )
-    return ce_sum, {"tokens": count, "ce_sum": ce_sum}
+    metrics = {"tokens": count, "ce_sum": ce_sum, "aux_loss": aux}
+    config = model.config
+    if config.num_local_experts is not None and config.output_router_logits:
+        # transformers adds coef * aux_loss to the mean loss; as a sum over the counted
+        # tokens that is coef * aux_loss * count (the token-weighted mean over microbatches).
+        total = ce_sum + config.router_aux_loss_coef * aux * count.astype(jnp.float32)
+        return total, metrics
+    return ce_sum, metrics
 
 
 def _check_batch(batch: Any) -> dict[str, jax.Array]:
