@@ -3,8 +3,7 @@
 ``LlamaConfig`` is the architecture in Hugging Face's field names: ``from_hf`` reads a
 ``config.json`` as transformers 4.4x and 5.x write it for Llama, Qwen2, Mistral and
 Mixtral checkpoints, refusing (and naming) only a field that would change what the model
-computes;
-``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the model, with
+computes; ``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the model, with
 transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and write checkpoint
 folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
 KV cache, ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for
