@@ -80,8 +80,8 @@ DEFAULT_DATA = Path("data/instructions")
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Flags that may change between the sessions of one run; every other one is the run's.
 # Flags of one session, not of the run: a resumed run may change them. --remat changes
-# memory and time only (the gradients are the same: tests/lm/test_remat.py), --scan-layers
-# the program but not the stored model (tests/lm/test_scan_layers.py).
+# memory and time only (the gradients are the same: tests/lm/test_remat.py). --scan-layers is
+# the run's: its checkpoints hold the layers' adapters stacked.
 SESSION_FLAGS = (
     "resume",
     "stop_at",
@@ -91,7 +91,6 @@ SESSION_FLAGS = (
     "runs_dir",
     "run_dir",
     "remat",
-    "scan_layers",
     "sample_tokens",
 )
 # Where the base and the data are: a resumed run may find them elsewhere (their contents are
@@ -160,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--scan-layers",
         action="store_true",
-        help="the blocks as one lax.scan, as examples.lm.train's; needs --dropout 0",
+        help="the blocks stored stacked and run as one lax.scan; needs --dropout 0 (a flag of "
+        "the run: its checkpoints hold the adapters stacked)",
     )
     model.add_argument(
         "--targets",
@@ -256,8 +256,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         )
     except ValueError as e:
         raise UsageError(f"--base {base_dir}: {e}") from e
-    # Read when the model is called: how it runs, not what it stores.
-    model.remat, model.scan_layers = args.remat, args.scan_layers
+    model.remat = args.remat  # read when the model is called: how it runs, not what it stores
     base_digest, n_base = _base_identity(hf_config, model)
     try:
         adapted = rl.apply_lora(
@@ -270,6 +269,8 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         )
     except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
         raise UsageError(f"--targets {','.join(args.targets)}: {e}") from e
+    # Stacked once, after the adapters are on: the scan then reads the layers as stored.
+    model.scan_layers = args.scan_layers
     model.eval()
     eval_def = nnx.graphdef(model)  # dropout off
     model.train()
@@ -428,6 +429,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     if args.sample_tokens:
         samples[step] = _sample(model, tokenizer, sample_data, args.sample_tokens, f"update {step}")
     model.eval()
+    model.scan_layers = False  # peft's files name each layer's adapters (converted in place)
     out = _adapter_dir(args, run_dir)
     rl.save_adapter(model, out, base_model_name_or_path=str(base_dir))
     if args.merged:

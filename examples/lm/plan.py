@@ -305,13 +305,7 @@ def finetune_model(args: argparse.Namespace, config: GPTConfig) -> rm.LlamaForCa
     ``LlamaForCausalLM`` (``config``'s remat and scanned layers), ``--rank`` adapters on every
     projection, each base projection NF4 under ``--finetune qlora``."""
     llama = rm.LlamaConfig.from_hf(config_to_hf(config), param_dtype=config.param_dtype)
-    model = rm.LlamaForCausalLM(
-        llama,
-        dtype=config.dtype,
-        remat=config.remat,
-        scan_layers=config.scan_layers,
-        rngs=nnx.Rngs(0),
-    )
+    model = rm.LlamaForCausalLM(llama, dtype=config.dtype, remat=config.remat, rngs=nnx.Rngs(0))
     quantize = "nf4" if args.finetune == "qlora" else None
     rl.apply_lora(
         model,
@@ -323,6 +317,7 @@ def finetune_model(args: argparse.Namespace, config: GPTConfig) -> rm.LlamaForCa
         quantize_untargeted=quantize is not None,
         rngs=nnx.Rngs(0),
     )
+    model.scan_layers = config.scan_layers  # stacked after the adapters, as the program does
     return model
 
 

@@ -9,7 +9,8 @@ puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
 frozen base stored in 4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
 ``apply_lora(..., quantize_base="nf4")`` builds while it adapts. ``remat`` checkpoints a
 block's activations under a named policy (``REMAT_POLICIES``), ``scan_layers`` runs a stack
-of identical layers as one ``lax.scan``. ``MoE`` is a dropless top-k mixture of SwiGLU
+of identical layers as one ``lax.scan`` (``stack_layers`` / ``unstack_layers`` store them
+stacked, so the scan copies nothing). ``MoE`` is a dropless top-k mixture of SwiGLU
 experts with its load-balancing loss (``load_balancing_loss``). ``Attention`` is self-attention
 with rotary positions (``apply_rope``, ``rope_frequencies``, ``Llama3RopeScaling``) over
 rudax.kernels' ``flash_attention``: grouped-query heads, packed rows, windows and soft caps.
@@ -48,6 +49,8 @@ from rudax.layers._rope import Llama3RopeScaling as Llama3RopeScaling
 from rudax.layers._rope import apply_rope as apply_rope
 from rudax.layers._rope import rope_frequencies as rope_frequencies
 from rudax.layers._scan import scan_layers as scan_layers
+from rudax.layers._scan import stack_layers as stack_layers
+from rudax.layers._scan import unstack_layers as unstack_layers
 
 __all__ = [
     "REMAT_POLICIES",
@@ -80,5 +83,7 @@ __all__ = [
     "saved_for_backward",
     "scan_layers",
     "sorted_segment_sum",
+    "stack_layers",
     "to_dtype",
+    "unstack_layers",
 ]

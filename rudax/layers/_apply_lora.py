@@ -18,6 +18,7 @@ from rudax.kernels import nf4_dequantize
 from rudax.layers._linear import Linear
 from rudax.layers._lora import Frozen, LoRALinear, LoRAParam
 from rudax.layers._nf4_linear import NF4Linear
+from rudax.layers._scan import STACKED, is_stacked
 
 Path: TypeAlias = tuple[str | int, ...]
 
@@ -65,6 +66,20 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}: {model=}")
 
 
+def _check_unstacked(model: nnx.Module) -> None:
+    """A ValueError naming the first layers stored stacked: their variables have a leading
+    layer axis that LoRA, its merge and peft's per-layer names do not have."""
+    for path, node in nnx.iter_graph(model):
+        if is_stacked(node):
+            where = ".".join(map(str, path)) or "model"
+            raise ValueError(
+                f"{where} holds {getattr(node, STACKED)} layers stored stacked "
+                "(rudax.layers.stack_layers, a model's scan_layers): put LoRA on, merge or "
+                "save adapters of the layers one module each (rudax.layers.unstack_layers, "
+                "or scan_layers = False), then stack them"
+            )
+
+
 def named_modules(model: nnx.Module, names: ModuleNames | None = None) -> list[_Module]:
     """Every module below model's root that names gives a name, sorted by name.
 
@@ -74,6 +89,7 @@ def named_modules(model: nnx.Module, names: ModuleNames | None = None) -> list[_
     peft's ``lora.Linear`` is. Two paths with one name are a ValueError.
     """
     _check_model(model)
+    _check_unstacked(model)
     names = _resolve_names(names)
     modules = [
         (_as_path(path), node)
@@ -461,6 +477,7 @@ def merge_lora(model: nnx.Module, *, names: ModuleNames | None = None) -> list[s
       True
     """
     _check_model(model)
+    _check_unstacked(model)
     names = _resolve_names(names)
     found = [
         (_as_path(path), node)

@@ -16,7 +16,10 @@ rudax leaf          Hugging Face leaf   transposed
 and the output head's table, ``lm_head.embedding``, is ``lm_head.weight`` (the same
 ``[V, d]`` layout). A tied head shares the embedding's leaf, so it has no file name of its own.
 
-A stacked leaf holds one tensor of the file per index of its leading axis, each transposed:
+Layers stored stacked (a model's ``scan_layers``) have no index in their path:
+``model.layers.self_attn.q_proj.kernel`` is ``[L, in, out]``, and slice ``i`` is
+``model.layers.{i}.self_attn.q_proj.weight``. A stacked leaf holds one tensor of the file
+per index of its (next) leading axis, each transposed:
 
 ==================  ================================
 rudax leaf          Hugging Face names (i = 0 .. n-1)
@@ -58,28 +61,41 @@ STACKED: Mapping[tuple[str, str], str] = {
 }
 
 
-def hf_name(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[list[str], bool]:
-    """``(names, transposed)`` of the parameter at nnx ``path``: one name, or one per slice
-    of a stacked leaf; a KeyError for a leaf the tables do not name."""
-    *modules, leaf = (str(p) for p in path)
+def hf_name(path: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[list[str], bool, int]:
+    """``(names, transposed, axes)`` of the parameter at nnx ``path``: its file names, one per
+    slice of its ``axes`` leading stacked axes (0, 1 or 2) in row-major order; a KeyError for
+    a leaf the tables do not name."""
+    parts = [str(p) for p in path]
+    *modules, leaf = parts
+    out: list[str] = []  # the name's parts, with "{n}" where stacked axis n's index goes
+    axes = 0
+    for k, part in enumerate(modules):
+        out.append(part)
+        if part == "layers" and k + 1 < len(path) and not isinstance(path[k + 1], int):
+            out.append(f"{{{axes}}}")  # layers stored stacked: model.layers.{i}
+            axes += 1
     stacked = STACKED.get((modules[-1] if modules else "", leaf))
     if stacked is not None:
-        return [".".join([*modules, stacked.format(i=i)]) for i in range(shape[0])], True
-    if leaf not in LEAVES:
-        raise KeyError(f"{'.'.join(map(str, path))}: no Hugging Face name for a {leaf!r} leaf")
-    name, transposed = LEAVES[leaf]
-    return [".".join([*modules, name])], transposed
+        tail, transposed = stacked.replace("{i}", f"{{{axes}}}"), True
+        axes += 1
+    elif leaf in LEAVES:
+        tail, transposed = LEAVES[leaf]
+    else:
+        raise KeyError(f"{'.'.join(parts)}: no Hugging Face name for a {leaf!r} leaf")
+    template = ".".join([*out, tail])
+    names = [template.format(*index) for index in np.ndindex(*shape[:axes])]
+    return names, transposed, axes
 
 
 def hf_names(
     model: nnx.Module,
-) -> Iterator[tuple[list[str], tuple[Any, ...], nnx.Variable, bool]]:
-    """``(hf names, nnx path, variable, transposed)`` for each parameter, shared ones once;
-    a stacked leaf has one name per slice of its leading axis."""
+) -> Iterator[tuple[list[str], tuple[Any, ...], nnx.Variable, bool, int]]:
+    """``(hf names, nnx path, variable, transposed, stacked axes)`` for each parameter, shared
+    ones once; a stacked leaf has one name per slice of its stacked axes."""
     for path, variable in nnx.iter_graph(model):
         if isinstance(variable, nnx.Param):
-            names, transposed = hf_name(path, variable.shape)
-            yield names, path, variable, transposed
+            names, transposed, axes = hf_name(path, variable.shape)
+            yield names, path, variable, transposed, axes
 
 
 def _tied_aliases(model: nnx.Module) -> dict[str, str]:
@@ -117,10 +133,11 @@ def load_state(
     tied = {n for pair in _tied_aliases(model).items() for n in pair}
     used: set[str] = set()
     seen: set[int] = set()
-    for hf, path, variable, transposed in list(hf_names(model)):
+    for hf, path, variable, transposed, axes in list(hf_names(model)):
         if id(variable) in seen:
             continue
         seen.add(id(variable))
+        want = variable.shape[axes:]
         slices = []
         for name in hf:
             group = tied if name in tied else {name}
@@ -129,14 +146,14 @@ def load_state(
                 raise ValueError(f"{where}: no tensor {name!r} (for {'.'.join(map(str, path))})")
             source = present[0]
             tensor = np.asarray(get_tensor(source))
-            want = variable.shape[1:] if _stacked(path) else variable.shape
             value = tensor.T if transposed else tensor
             if value.shape != want:
                 shape = tuple(reversed(want)) if transposed else want
                 raise ValueError(f"{where}: {source} has shape {tensor.shape}, the model's {shape}")
-            slices.append(value)
+            # cast slice by slice: the stacked copy is in the storage dtype only
+            slices.append(value.astype(variable.dtype))
             used |= group & names
-        value = np.stack(slices) if _stacked(path) else slices[0]
+        value = np.stack(slices).reshape(variable.shape) if axes else slices[0]
         variable.set_value(jnp.asarray(value, variable.dtype))
     extra = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq"))
     if extra:
@@ -146,22 +163,18 @@ def load_state(
         )
 
 
-def _stacked(path: tuple[Any, ...]) -> bool:
-    return len(path) >= 2 and (str(path[-2]), str(path[-1])) in STACKED
-
-
 def state_dict(model: nnx.Module) -> dict[str, jax.Array]:
     """Every parameter under its Hugging Face name, in torch's layout (a tied head once, as
     ``model.embed_tokens.weight``)."""
     out: dict[str, jax.Array] = {}
     seen: set[int] = set()
     aliases = _tied_aliases(model)
-    for hf, path, variable, transposed in hf_names(model):
+    for hf, _, variable, transposed, axes in hf_names(model):
         if id(variable) in seen:
             continue
         seen.add(id(variable))
         value = variable[...]
-        slices = list(value) if _stacked(path) else [value]
+        slices = list(value.reshape(-1, *value.shape[axes:])) if axes else [value]
         for name, piece in zip(hf, slices, strict=True):
             out[aliases.get(name, name)] = piece.T if transposed else piece
     return out

@@ -29,6 +29,7 @@ from jax.typing import DTypeLike
 import rudax.layers as rl
 from rudax._validation import float_dtype
 from rudax.layers._remat import Policy
+from rudax.layers._scan import is_stacked
 from rudax.models._kv_cache import KVCache
 from rudax.models._llama_config import LlamaConfig
 from rudax.models._llama_layers import INIT, LlamaDecoderLayer
@@ -55,7 +56,8 @@ class LlamaModel(nnx.Module):
             embedding_init=INIT,
             rngs=rngs,
         )
-        self.layers = nnx.List(
+        # one module per layer, or one stacked module (LlamaForCausalLM.scan_layers)
+        self.layers: Any = nnx.List(
             [LlamaDecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_hidden_layers)]
         )
         self.norm = rl.RMSNorm(
@@ -73,13 +75,17 @@ class LlamaForCausalLM(nnx.Module):
       rngs: draws the initial weights (N(0, 0.02), transformers' ``initializer_range``).
       remat: each decoder layer's activation checkpointing in a training call, one of
         ``rudax.layers.REMAT_POLICIES``. It changes memory and time, not the gradients.
-      scan_layers: run the decoder layers as one ``lax.scan`` (``rudax.layers.scan_layers``):
-        one layer compiled instead of ``num_hidden_layers``, and remat then saves memory on
-        every backend. The layers stay stored one module each (the same HF names, LoRA and
-        checkpoints). Layers holding dropout (LoRA with dropout in training) are refused.
+      scan_layers: store the decoder layers stacked (``rudax.layers.stack_layers``:
+        ``model.layers`` is one ``LlamaDecoderLayer`` whose variables have a leading layer
+        axis) and run them as one ``lax.scan``, which reads them as stored: one layer
+        compiled instead of ``num_hidden_layers``, remat then saves memory on every backend,
+        and no copy of the weights per step. The Hugging Face names and files are the same
+        either way. Layers holding dropout (LoRA with dropout in training) are refused.
 
-    ``remat`` and ``scan_layers`` are attributes that may be set between calls: how the
-    model runs, not what it stores. A call with a cache (generation) runs the plain loop.
+    ``remat`` is an attribute that may be set between calls. ``scan_layers`` may be set too:
+    it converts the storage in place, on the host; apply LoRA to the layers one module each,
+    then set it (``rudax.layers.apply_lora``, ``merge_lora`` and ``save_adapter`` refuse
+    stacked layers, naming them). A call with a cache (generation) runs the layers in turn.
 
     Calling the model on token ids ``[B, T]`` returns logits ``[B, T, V]`` in the compute
     dtype. Keyword arguments: ``positions`` ``[B, T]`` (RoPE's positions; default 0 .. T-1),
@@ -115,12 +121,9 @@ class LlamaForCausalLM(nnx.Module):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a rudax.models.LlamaConfig, got {config!r}")
         _check_remat(remat)
-        if not isinstance(scan_layers, bool):
-            raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
         c = config
         self.config = c
         self.remat: Policy = remat
-        self.scan_layers = scan_layers
         compute = float_dtype("dtype", dtype)
         self.dtype = c.param_dtype if compute is None else compute
         self.model = LlamaModel(c, dtype=self.dtype, rngs=rngs)
@@ -139,10 +142,36 @@ class LlamaForCausalLM(nnx.Module):
             )
         )
         self.lm_head = rl.TiedProjection(table, dtype=self.dtype)
+        self.scan_layers = scan_layers
+
+    @property
+    def scan_layers(self) -> bool:
+        """Whether the decoder layers are stored stacked and run as one ``lax.scan``.
+
+        Setting it converts the storage in place (``rudax.layers.stack_layers`` /
+        ``unstack_layers``): on the host, outside any transform, after LoRA is applied.
+        """
+        return is_stacked(self.model.layers)
+
+    @scan_layers.setter
+    def scan_layers(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"scan_layers must be a bool, got {value!r}")
+        if value == self.scan_layers:
+            return
+        if value:
+            self.model.layers = rl.stack_layers(list(self.model.layers))
+        else:
+            self.model.layers = nnx.List(rl.unstack_layers(self.model.layers))
+
+    def _layer_modules(self) -> list[Any]:
+        """The decoder layers' modules: one per layer, or the one stacked module."""
+        layers = self.model.layers
+        return [layers] if is_stacked(layers) else list(layers)
 
     def set_attention_impl(self, impl: str, *, interpret: bool = False) -> None:
         """``flash_attention``'s ``impl`` (and ``interpret``) in every layer."""
-        for layer in self.model.layers:
+        for layer in self._layer_modules():
             layer.self_attn.impl, layer.self_attn.interpret = impl, interpret
 
     def set_moe_impl(self, impl: str) -> None:
@@ -150,7 +179,7 @@ class LlamaForCausalLM(nnx.Module):
         matmuls) or ``"dense"`` (every expert on every token): ``rudax.layers.MoE``'s."""
         if impl not in rl.MoE.IMPLS:
             raise ValueError(f"impl must be one of {rl.MoE.IMPLS}, got {impl=}")
-        for layer in self.model.layers:
+        for layer in self._layer_modules():
             if hasattr(layer, "block_sparse_moe"):
                 layer.block_sparse_moe.impl = impl
 
@@ -224,8 +253,9 @@ class LlamaForCausalLM(nnx.Module):
             _check_remat(self.remat)  # the attribute may have been set since __init__
             context = {"positions": positions, "segment_ids": segment_ids}
             if self.scan_layers:
-                layers = list(self.model.layers)
-                x, (_, balance) = rl.scan_layers(layers, x, remat_policy=self.remat, **context)
+                x, (_, balance) = rl.scan_layers(
+                    self.model.layers, x, remat_policy=self.remat, **context
+                )
             else:
                 balances = []
                 for layer in self.model.layers:
@@ -247,7 +277,16 @@ class LlamaForCausalLM(nnx.Module):
         slot_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, start))
         state = dataclasses.replace(cache, valid=valid, positions=slot_positions)
         keys, values = [], []
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        if is_stacked(layers):
+            # Decoding a stacked model: each layer's slice, one at a time (a scan would need
+            # the per-layer cache arrays stacked, a copy of the cache per token).
+            graphdef, stacked = nnx.split(layers)
+            layers = [
+                nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
+                for i in range(self.config.num_hidden_layers)
+            ]
+        for i, layer in enumerate(layers):
             x, (kv, _) = layer(
                 x,
                 positions=positions,

@@ -144,7 +144,7 @@ def test_resume_in_a_fresh_process_is_bit_for_bit(full_run, base_dir, data_files
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
 
 
-def test_scanned_layers_train_the_same_qlora_run(base_dir, data_files, tmp_path):
+def test_scanned_layers_train_the_same_qlora_run(base_dir, data_files, tmp_path, capsys):
     # The NF4 base and the adapters under --scan-layers (no dropout: see the bad flags).
     runs = {}
     for name, extra in (("plain", ()), ("scanned", ("--scan-layers", "--remat", "full"))):
@@ -155,6 +155,18 @@ def test_scanned_layers_train_the_same_qlora_run(base_dir, data_files, tmp_path)
     assert (step, loss) == runs["plain"][0][:2]  # the first loss: the forward is bitwise
     # Then the gradients' rounding (tests/lm/test_scan_layers.py), one update's worth.
     assert later[1] == pytest.approx(runs["plain"][1][1], rel=1e-5)
+    # The checkpoints hold the layers' adapters stacked: --scan-layers is the run's flag. A
+    # plain run resumed with it is refused; the scanned run resumes scanned (the checkpoint's
+    # layout) and writes peft's per-layer adapter file.
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(_flags(base_dir, data_files, tmp_path / "plain", "--dropout", "0", "--resume",
+                    "--scan-layers"))  # fmt: skip
+    assert "--scan-layers True (the run has False)" in capsys.readouterr().err
+    main(_flags(base_dir, data_files, tmp_path / "scanned", "--dropout", "0", "--resume"))
+    adapter = load_file(tmp_path / "scanned" / "adapter" / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+    assert adapter[key].shape == (8, 64) and len(_train_rows(tmp_path / "scanned")) == 8
 
 
 def _readme_resume_commands() -> list[list[str]]:

@@ -165,6 +165,28 @@ def test_a_lora_model_generates_and_starts_as_its_base():
     assert len(out[0]) == 16 and all(0 <= t < V for t in out[0])
 
 
+def test_stacked_layers_generate_and_save_as_the_per_layer_model(tmp_path):
+    ref = _hf_model("mistral-window-8")
+    model = _ours(ref)
+    prompts = [[5, 17, 3, 99, 4], [7, 2]]
+    want = generate(model, prompts, 16, stop_tokens=[])
+    files = state_dict(model)
+    model.scan_layers = True  # stacked in place: one [L, ...] leaf per parameter
+    assert model.model.layers.self_attn.k_proj.kernel.shape == (2, 64, 32)
+    assert generate(model, prompts, 16, stop_tokens=[]) == want
+    stacked_files = state_dict(model)
+    assert stacked_files.keys() == files.keys()
+    for name, value in files.items():
+        np.testing.assert_array_equal(np.asarray(stacked_files[name]), np.asarray(value))
+    # read back into a stacked model by name
+    back = LlamaForCausalLM(model.config, scan_layers=True, rngs=nnx.Rngs(1))
+    load_state(back, lambda n: np.asarray(files[n]), set(files))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (1, 12)))
+    np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
+    model.scan_layers = False
+    assert len(model.model.layers) == 2 and generate(model, prompts, 16, stop_tokens=[]) == want
+
+
 def test_state_dict_round_trips_in_torch_layout():
     ref = _hf_model("llama-tied")
     model = _ours(ref)

@@ -133,22 +133,29 @@ def test_remat_and_scan_give_the_plain_loss_and_gradients(remat, scan):
     # program (another summation order): within 16 fp32 ulps of each leaf's largest element,
     # the bound of tests/lm/test_scan_layers.py.
     ulps = 16 * float(jnp.finfo(jnp.float32).eps)
-    for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want), strict=True):
+    got = dict(nnx.to_flat_state(grads))
+    for path, w in nnx.to_flat_state(want):
+        if scan and path[:2] == ("model", "layers"):  # stored stacked: layer i is slice i
+            g = got[(*path[:2], *path[3:])][path[2]]
+        else:
+            g = got[path]
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        assert np.max(np.abs(g - w)) <= ulps * np.max(np.abs(w)), jax.tree_util.keystr(path)
-    # the layers are stored one module each, whatever the model runs as
-    assert len(model.model.layers) == 3
-    assert model.model.layers[0].self_attn.q_proj.kernel.shape == (32, 32)
+        assert np.max(np.abs(g - w)) <= ulps * np.max(np.abs(w)), path
+    # scanned, the layers are stored stacked: no copy of them per step
+    q = model.model.layers[0].self_attn.q_proj if not scan else model.model.layers.self_attn.q_proj
+    assert q.kernel.shape == ((3, 32, 32) if scan else (32, 32))
 
 
 def test_scan_layers_refuses_dropout_and_bad_options():
-    model = _tiny(scan_layers=True)
+    model = _tiny()
     rl.apply_lora(model, ["q_proj"], rank=2, alpha=4, dropout=0.1, rngs=nnx.Rngs(0))
-    batch = _batch(np.random.default_rng(3))
     with pytest.raises(ValueError, match=r"layers\[0\] holds RNG state \(dropout\)"):
-        causal_lm_loss_sum(model, batch)
-    model.scan_layers = False  # the same model runs as a loop
-    assert np.isfinite(float(causal_lm_loss_sum(model, batch)[0]))
+        model.scan_layers = True
+    assert not model.scan_layers  # refused before anything changed: it runs as a loop
+    assert np.isfinite(float(causal_lm_loss_sum(model, _batch(np.random.default_rng(3)))[0]))
+    stacked = _tiny(scan_layers=True)
+    with pytest.raises(ValueError, match=r"model\.layers holds 3 layers stored stacked"):
+        rl.apply_lora(stacked, ["q_proj"], rank=2, alpha=4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="remat must be one of"):
         _tiny(remat="some")
     with pytest.raises(TypeError, match="scan_layers must be a bool"):

@@ -127,22 +127,28 @@ def test_scanned_layers_give_the_loops_loss_and_gradients(saved):
     batch = {"tokens": ids, "labels": np.roll(ids, -1, axis=1)}
 
     def loss_and_grads(scan):
-        model.scan_layers, model.remat = scan, "full" if scan else "none"
+        model.scan_layers, model.remat = scan, "full" if scan else "none"  # stacks in place
         graph, params = nnx.split(model)
         f = lambda p: causal_lm_loss_sum(nnx.merge(graph, p), batch)[0]
         return jax.jit(jax.value_and_grad(f))(params)
 
     (loop, g_loop), (scan, g_scan) = loss_and_grads(False), loss_and_grads(True)
     np.testing.assert_allclose(float(scan), float(loop), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_loop), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    stacked = dict(nnx.to_flat_state(g_scan))  # layer i of a stacked leaf is its slice i
+    for path, want in nnx.to_flat_state(g_loop):
+        layer = path[:2] == ("model", "layers")
+        got = stacked[(*path[:2], *path[3:])][path[2]] if layer else stacked[path]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7)
     w2 = g_loop["model"]["layers"][0]["block_sparse_moe"]["experts"]["w2"][...]
     assert float(jnp.abs(w2).max()) > 0  # the experts learn
 
 
-def test_the_files_rudax_writes_load_in_transformers_with_equal_logits(saved, tmp_path):
+@pytest.mark.parametrize("scan", [False, True], ids=["per-layer", "stacked"])
+def test_the_files_rudax_writes_load_in_transformers_with_equal_logits(saved, tmp_path, scan):
     ref, folder = saved
     model = from_pretrained(folder)
+    # stored stacked, each expert tensor is a slice of a [layers, experts, in, out] leaf
+    model.scan_layers = scan
     save_pretrained(model, tmp_path / "out")
     theirs = SafetensorsFile(folder / "model.safetensors").keys()
     ours = SafetensorsFile(tmp_path / "out" / "model.safetensors").keys()
