@@ -146,7 +146,7 @@ def test_remat_and_scan_give_the_plain_loss_and_gradients(remat, scan):
     assert q.kernel.shape == ((3, 32, 32) if scan else (32, 32))
 
 
-def test_scan_layers_refuses_dropout_and_bad_options():
+def test_scan_layers_refuses_dropout_and_bad_options(tmp_path):
     model = _tiny()
     rl.apply_lora(model, ["q_proj"], rank=2, alpha=4, dropout=0.1, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"layers\[0\] holds RNG state \(dropout\)"):
@@ -156,6 +156,18 @@ def test_scan_layers_refuses_dropout_and_bad_options():
     stacked = _tiny(scan_layers=True)
     with pytest.raises(ValueError, match=r"model\.layers holds 3 layers stored stacked"):
         rl.apply_lora(stacked, ["q_proj"], rank=2, alpha=4, rngs=nnx.Rngs(0))
+    # LoRA put on first, then stacked: merging, saving and loading adapters are refused too
+    adapted = _tiny()
+    rl.apply_lora(adapted, ["q_proj"], rank=2, alpha=4, rngs=nnx.Rngs(0))
+    rl.save_adapter(adapted, tmp_path, base_model_name_or_path="tiny")
+    adapted.scan_layers = True
+    for refused in (
+        lambda: rl.merge_lora(adapted),
+        lambda: rl.save_adapter(adapted, tmp_path / "b", base_model_name_or_path="tiny"),
+        lambda: rl.load_adapter(adapted, tmp_path),
+    ):
+        with pytest.raises(ValueError, match="stored stacked"):
+            refused()
     with pytest.raises(ValueError, match="remat must be one of"):
         _tiny(remat="some")
     with pytest.raises(TypeError, match="scan_layers must be a bool"):
