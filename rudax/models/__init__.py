@@ -7,7 +7,8 @@ computes; ``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the m
 transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and write checkpoint
 folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
 KV cache, ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for
-token-weighted accumulation), and ``ChatTemplate`` renders a tokenizer's own chat template.
+token-weighted accumulation), ``shard`` is a model's FSDP form, and ``ChatTemplate`` renders
+a tokenizer's own chat template.
 """
 
 # Public names, re-exported one per line (``from rudax.models._x import a as a``), sorted as
@@ -25,6 +26,7 @@ from rudax.models._loss import IGNORE_INDEX as IGNORE_INDEX
 from rudax.models._loss import causal_lm_loss_sum as causal_lm_loss_sum
 from rudax.models._safetensors import SafetensorsFile as SafetensorsFile
 from rudax.models._safetensors_writer import save_safetensors as save_safetensors
+from rudax.models._shard import shard as shard
 
 __all__ = [
     "IGNORE_INDEX",
@@ -40,4 +42,5 @@ __all__ = [
     "open_checkpoint",
     "save_pretrained",
     "save_safetensors",
+    "shard",
 ]

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import rudax.kernels as rk
+import rudax.sharding as rs
 from rudax.models._llama import LlamaForCausalLM
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss_sum"]
@@ -44,7 +45,8 @@ def causal_lm_loss_sum(
     with nothing counted gives 0 and zero gradients, no NaN.
 
     Args:
-      model: a ``LlamaForCausalLM`` (plain, LoRA or NF4 + LoRA).
+      model: a ``LlamaForCausalLM`` (plain, LoRA or NF4 + LoRA), or its ``shard``ed form
+        inside ``jax.shard_map`` (then the sum is of this rank's rows).
       batch: the arrays above; anything else, a missing key, a non-integer array or two
         shapes is a TypeError or ValueError naming the key (checked at trace time). Labels
         must be in ``[0, vocab_size)`` or -100.
@@ -86,6 +88,10 @@ def causal_lm_loss_sum(
         tokens, segment_ids=arrays.get("segment_ids"), positions=arrays.get("positions")
     )
     head = model.lm_head
+    if isinstance(head, rs.ShardedModule):
+        # the fused loss needs the head's table itself: a sharded head gathers it, as its
+        # call would
+        head = head.gathered()
     n, d = labels.size, h.shape[-1]
     ce_sum, count = rk.linear_cross_entropy(
         h.reshape(n, d),

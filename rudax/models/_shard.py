@@ -1,0 +1,91 @@
+"""``shard``: a ``LlamaForCausalLM`` in its FSDP form over ``rudax.sharding``.
+
+Each module at the model's places (the embedding, each layer's norms, its four attention
+projections, its MLP or Mixtral block, the final norm, the head) becomes a
+``rudax.sharding.ShardedModule``: its parameters are ``ShardedParameter``s, 1/N of each per
+device, gathered when the module is called inside ``jax.shard_map``. Whatever sits at a place
+is sharded as it is, a ``Linear`` or the ``LoRALinear`` / ``NF4Linear`` that
+``rudax.layers.apply_lora`` put there (FSDP-QLoRA: the packed NF4 base split too), with its
+variables' types kept, so ``nnx.split(model, rudax.layers.LoRAParam, ...)`` still separates
+the adapters. A tied head keeps sharing the embedding's one sharded table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+from jax.typing import DTypeLike
+
+import rudax.sharding as rs
+from rudax.layers._scan import is_stacked
+from rudax.models._llama import LlamaForCausalLM
+
+__all__ = ["shard"]
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def shard(
+    model: LlamaForCausalLM,
+    ctx: rs.ShardingContext,
+    *,
+    compute_dtype: DTypeLike | None = None,
+) -> LlamaForCausalLM:
+    """The same model with every layer in its FSDP form (``rudax.sharding``), ties kept.
+
+    ``model`` is not modified: the result is built on a structural copy that shares its
+    arrays until they are sharded. Run the result inside ``jax.shard_map`` with the parameter
+    state split ``P(ctx.axis_name)`` and each rank's own rows of the batch; ``jax.grad`` of
+    the ranks' summed ``causal_lm_loss_sum`` returns gradients already reduce-scattered onto
+    the shards.
+
+    Args:
+      model: a ``LlamaForCausalLM`` whose layers are stored one module each (a model with
+        ``scan_layers`` set is refused: a stacked layer would be gathered whole).
+      ctx: the ``rudax.sharding.ShardingContext`` of the mesh axis to shard over.
+      compute_dtype: the dtype parameters are cast to before their all-gather (halving its
+        bytes for bf16); None gathers them in their storage dtype.
+
+    Returns:
+      A new ``LlamaForCausalLM`` whose layers are ``ShardedModule``s.
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> import rudax.sharding as rs
+      >>> from rudax.models import LlamaConfig, LlamaForCausalLM, shard
+      >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+      ...                      num_hidden_layers=1, num_attention_heads=4)
+      >>> ctx = rs.ShardingContext(jax.sharding.Mesh(jax.devices(), ("fsdp",)))
+      >>> sharded = shard(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), ctx)
+      >>> type(sharded.model.layers[0].self_attn.q_proj).__name__
+      'ShardedModule'
+    """
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"model must be a rudax.models.LlamaForCausalLM, got {model!r}")
+    if not isinstance(ctx, rs.ShardingContext):
+        raise TypeError(f"ctx must be a rudax.sharding.ShardingContext, got {ctx!r}")
+    if is_stacked(model.model.layers):
+        raise ValueError(
+            "shard: the model's layers are stored stacked (scan_layers); FSDP shards them one "
+            "module each: set model.scan_layers = False first"
+        )
+    sharded = nnx.merge(*nnx.split(model))
+    kw: dict[str, Any] = dict(compute_dtype=compute_dtype)
+    inner = sharded.model
+    # ctx.module at every place: it shards whatever module sits there (a Linear, or the
+    # LoRALinear apply_lora put in its place) exactly as the typed methods would.
+    inner.embed_tokens = ctx.module(inner.embed_tokens, **kw)
+    for layer in inner.layers:
+        layer.input_layernorm = ctx.module(layer.input_layernorm, **kw)
+        for name in ATTENTION:
+            setattr(layer.self_attn, name, ctx.module(getattr(layer.self_attn, name), **kw))
+        layer.post_attention_layernorm = ctx.module(layer.post_attention_layernorm, **kw)
+        mlp = "block_sparse_moe" if hasattr(layer, "block_sparse_moe") else "mlp"
+        setattr(layer, mlp, ctx.module(getattr(layer, mlp), **kw))
+    inner.norm = ctx.module(inner.norm, **kw)
+    # A tied head's table is the embedding's variable, which the context has already
+    # sharded once: the head shares that sharded variable.
+    sharded.lm_head = ctx.module(sharded.lm_head, **kw)
+    return sharded
