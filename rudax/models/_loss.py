@@ -87,7 +87,7 @@ def causal_lm_loss_sum(
     h, _, aux = model.hidden_states(
         tokens, segment_ids=arrays.get("segment_ids"), positions=arrays.get("positions")
     )
-    head = model.lm_head
+    head: Any = model.lm_head
     if isinstance(head, rs.ShardedModule):
         # the fused loss needs the head's table itself: a sharded head gathers it, as its
         # call would

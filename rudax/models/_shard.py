@@ -73,7 +73,7 @@ def shard(
         )
     sharded = nnx.merge(*nnx.split(model))
     kw: dict[str, Any] = dict(compute_dtype=compute_dtype)
-    inner = sharded.model
+    inner: Any = sharded.model  # its places now hold ShardedModules
     # ctx.module at every place: it shards whatever module sits there (a Linear, or the
     # LoRALinear apply_lora put in its place) exactly as the typed methods would.
     inner.embed_tokens = ctx.module(inner.embed_tokens, **kw)
@@ -87,5 +87,5 @@ def shard(
     inner.norm = ctx.module(inner.norm, **kw)
     # A tied head's table is the embedding's variable, which the context has already
     # sharded once: the head shares that sharded variable.
-    sharded.lm_head = ctx.module(sharded.lm_head, **kw)
+    setattr(sharded, "lm_head", ctx.module(sharded.lm_head, **kw))  # noqa: B010
     return sharded
