@@ -13,7 +13,6 @@ projections (``fused_qkv=False``), q/k/v biases (``qkv_bias``) and Llama 3's RoP
 Read top to bottom: ``GPTConfig``, ``Block``, ``GPT`` (attention is
 ``rudax.layers.Attention``, the experts ``rudax.layers.MoE``), then what a trainer
 needs: ``loss_sum`` (the contract with token-weighted gradient accumulation),
-``labelled_loss_sum`` (the same for fine-tuning's labelled, packed batches),
 ``flops_per_token`` (for MFU) and ``shard`` (the same model for FSDP over ``rudax.sharding``).
 """
 
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -503,77 +501,6 @@ def loss_sum(model: GPT, batch_BxT1: jax.Array) -> tuple[jax.Array, dict[str, ja
     return total, {"tokens": jnp.asarray(n, jnp.int32), "ce_sum": ce_sum, "aux_loss": aux}
 
 
-# The fused loss's chunk when the config asks for none (``loss_chunk=None`` means full logits
-# to ``loss_sum``; a labelled batch always goes through ``linear_cross_entropy``).
-LABELLED_LOSS_CHUNK = 1024
-BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
-
-
-def labelled_loss_sum(
-    model: GPT, batch: Mapping[str, jax.Array]
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross entropy SUMMED over the labelled tokens of a (packed) batch, plus the MoE term.
-
-    ``batch`` holds four integer ``[B, T]`` arrays: ``tokens``; ``labels``, the id to predict
-    at each position (already shifted: the next token of the same example) or ``-100``
-    where nothing is counted (prompt tokens, padding, an example's last token);
-    ``segment_ids``, 1, 2, ... per example packed in a row and 0 for padding; and
-    ``positions``, each token's 0-based place in its own example. With ``counted = labels !=
-    -100`` and ``n = sum(counted)``::
-
-        h, aux   = model.features(tokens, segment_ids=segment_ids, positions=positions)
-        ce_sum   = sum_{b,t} [counted] (logsumexp(logits[b, t]) - logits[b, t, labels[b, t]])
-        loss_sum = ce_sum + moe_aux_weight * aux * n
-
-    with ``logits = h @ head_table.T`` computed ``config.loss_chunk`` (or
-    ``LABELLED_LOSS_CHUNK``) tokens at a time by ``rudax.kernels.linear_cross_entropy``,
-    never all at once. Each example sees only itself (``GPT``'s packed rows), so a packed
-    row's ``loss_sum`` and gradient are the sums of its examples' own, alone; the balancing
-    loss ``aux`` is the router's over every token of the rows, padding included. A batch
-    with nothing counted gives 0, zero gradients and ``n = 0``, no NaN.
-
-    The contract of ``loss_sum``, weighted by counted tokens: ``acc.add(grad(loss_sum),
-    weight=metrics["tokens"])`` over microbatches, then ``acc.pop(normalize=True)``, is the
-    gradient of the mean cross entropy over every counted token of the window (plus the
-    token-weighted balancing term), however the examples were packed. A sharded head
-    (``shard``) is gathered for the fused loss, as calling it would.
-
-    Args:
-      model: a ``GPT`` (or its ``shard``ed form, inside ``shard_map``).
-      batch: a dict (any Mapping) with exactly the keys ``tokens``, ``labels``, ``segment_ids`` and
-        ``positions``, integer arrays of one shape ``[B, T]``, ``1 <= T <= seq_len``;
-        labels in ``[0, vocab_size)`` or -100 (others make the loss NaN, see
-        ``linear_cross_entropy``), positions in ``[0, T)``. Checked at trace time; a bad
-        one is a TypeError or ValueError naming its key and shape.
-
-    Returns:
-      ``(loss_sum, metrics)``: a fp32 scalar and ``{"tokens": n (int32), "ce_sum": ce_sum
-      (fp32), "aux_loss": aux (fp32, 0 for a dense model)}``; the mean cross entropy over
-      the counted tokens is ``ce_sum / tokens``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from examples.lm.model import GPT, GPTConfig, labelled_loss_sum
-      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=1, n_heads=2)
-      >>> batch = {  # one row: a 3-token prompt + 2-token completion, then padding
-      ...     "tokens":      jnp.array([[5, 6, 7, 8, 9, 0, 0, 0]]),
-      ...     "labels":      jnp.array([[-100, -100, 8, 9, -100, -100, -100, -100]]),
-      ...     "segment_ids": jnp.array([[1, 1, 1, 1, 1, 0, 0, 0]]),
-      ...     "positions":   jnp.array([[0, 1, 2, 3, 4, 0, 0, 0]]),
-      ... }
-      >>> loss, metrics = labelled_loss_sum(GPT(config, rngs=nnx.Rngs(0)), batch)
-      >>> int(metrics["tokens"]), loss.dtype, bool(loss == metrics["ce_sum"])
-      (2, dtype('float32'), True)
-    """
-    tokens_BxT, labels_BxT, segment_ids_BxT, positions_BxT = _check_batch(batch)
-    h_BxTxD, aux = model.features(tokens_BxT, segment_ids=segment_ids_BxT, positions=positions_BxT)
-    chunk = model.config.loss_chunk or LABELLED_LOSS_CHUNK
-    ce_sum, count = _fused_loss(model, h_BxTxD, labels_BxT, chunk=chunk)
-    total = ce_sum + model.config.moe_aux_weight * count.astype(jnp.float32) * aux
-    return total, {"tokens": count, "ce_sum": ce_sum, "aux_loss": aux}
-
-
 def _fused_loss(
     model: GPT, h_BxTxD: jax.Array, labels_BxT: jax.Array, *, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -592,39 +519,6 @@ def _fused_loss(
         dtype=head.dtype,
         chunk=chunk,
     )
-
-
-def _check_batch(batch: Any) -> tuple[jax.Array, ...]:
-    """The four arrays of a labelled batch, in ``BATCH_KEYS`` order, or a clear error."""
-    if not isinstance(batch, Mapping):
-        raise TypeError(
-            f"batch must be a dict with the keys {BATCH_KEYS}, got {type(batch).__name__}"
-        )
-    missing = [k for k in BATCH_KEYS if k not in batch]
-    unknown = sorted(str(k) for k in batch if k not in BATCH_KEYS)
-    if missing or unknown:
-        raise ValueError(
-            f"batch must have exactly the keys {BATCH_KEYS}: missing {missing}, unknown {unknown}"
-        )
-    arrays = []
-    for key in BATCH_KEYS:
-        try:
-            value = jnp.asarray(batch[key])
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"batch[{key!r}] must be an integer array, got {batch[key]!r}") from e
-        if not jnp.issubdtype(value.dtype, jnp.integer):
-            raise TypeError(
-                f"batch[{key!r}] must hold integers, got batch[{key!r}].dtype={value.dtype}"
-            )
-        if value.ndim != 2:
-            raise ValueError(
-                f"batch[{key!r}] must be [batch, time], got batch[{key!r}].shape={value.shape}"
-            )
-        arrays.append(value)
-    shapes = {key: a.shape for key, a in zip(BATCH_KEYS, arrays, strict=True)}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"batch's arrays must have one shape [batch, time], got {shapes}")
-    return tuple(arrays)
 
 
 def flops_per_token(config: GPTConfig) -> float:
