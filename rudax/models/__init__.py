@@ -7,14 +7,15 @@ computes; ``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the m
 transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and write checkpoint
 folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
 KV cache, ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for
-token-weighted accumulation), ``shard`` is a model's FSDP form, and ``ChatTemplate`` renders
-a tokenizer's own chat template.
+token-weighted accumulation), ``shard`` is a model's FSDP form, ``flops_per_token`` its
+training FLOPs (for MFU), and ``ChatTemplate`` renders a tokenizer's own chat template.
 """
 
 # Public names, re-exported one per line (``from rudax.models._x import a as a``), sorted as
 # isort sorts them, and listed again in __all__.
 from rudax.models._chat import ChatTemplate as ChatTemplate
 from rudax.models._chat import load_chat_template as load_chat_template
+from rudax.models._flops import flops_per_token as flops_per_token
 from rudax.models._generate import generate as generate
 from rudax.models._hf_files import from_pretrained as from_pretrained
 from rudax.models._hf_files import open_checkpoint as open_checkpoint
@@ -36,6 +37,7 @@ __all__ = [
     "LlamaForCausalLM",
     "SafetensorsFile",
     "causal_lm_loss_sum",
+    "flops_per_token",
     "from_pretrained",
     "generate",
     "load_chat_template",
