@@ -18,6 +18,7 @@ from flax import nnx
 import rudax.layers as rl
 from rudax.models import KVCache, LlamaConfig, LlamaForCausalLM, generate
 from rudax.models._hf_names import load_state, state_dict
+from tests.models._reference import hf_greedy
 
 V = 128
 
@@ -94,17 +95,7 @@ def test_greedy_generation_equals_transformers_for_64_tokens(kind):
     prompts = [[5, 17, 3, 99, 4, 8, 1, 12, 40, 2, 9], [7, 7, 2], [100]]
     got = generate(model, prompts, 64, stop_tokens=[])
     for prompt, row in zip(prompts, got, strict=True):
-        with torch.no_grad():
-            want = ref.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=64,
-                min_new_tokens=64,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert row == want, (kind, prompt)
+        assert row == hf_greedy(ref, prompt, 64), (kind, prompt)
 
 
 def test_decoding_with_the_cache_gives_the_full_forward_logits():

@@ -22,6 +22,7 @@ from rudax.models import (
     save_pretrained,
 )
 from rudax.models._safetensors import SafetensorsFile
+from tests.models._reference import hf_greedy
 
 V = 96
 
@@ -169,17 +170,7 @@ def test_greedy_generation_equals_transformers_for_64_tokens(saved):
     prompts = [[5, 17, 3, 90, 4, 8, 1], [7, 2]]
     got = generate(model, prompts, 64, stop_tokens=[])
     for prompt, row in zip(prompts, got, strict=True):
-        with torch.no_grad():
-            want = ref.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=64,
-                min_new_tokens=64,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert row == want, prompt
+        assert row == hf_greedy(ref, prompt, 64), prompt
 
 
 def test_an_nf4_base_quantizes_attention_and_keeps_the_experts(saved):
