@@ -392,6 +392,14 @@ def model_of(args: argparse.Namespace) -> GPTConfig:
         config = model_config(args)
     else:
         hf = json.loads(Path(args.hf_config).read_text())
+        positions = hf.get("max_position_embeddings")
+        if isinstance(positions, int) and args.seq_len > positions:
+            # as examples.finetune refuses it: RoPE was never trained past the model's
+            # positions, and a plan of such a length can run for minutes
+            raise cfg.UsageError(
+                f"--seq-len {args.seq_len} is more than the {positions} positions of "
+                f"{args.hf_config} (max_position_embeddings)"
+            )
         config = config_from_hf(
             hf, param_dtype=jnp.dtype(args.param_dtype), dtype=jnp.dtype(args.compute_dtype)
         )
@@ -447,19 +455,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--finetune", choices=FINETUNE, default="none", help="examples.finetune")
     plan.add_argument("--rank", type=cfg.positive_int, default=8, help="LoRA rank (--finetune)")
     plan.add_argument(
-        "--dropout", type=float, default=0.05, help="LoRA dropout (--finetune; its masks)"
+        "--dropout",
+        type=cfg.unit_interval,
+        default=0.05,
+        help="LoRA dropout (--finetune; its masks)",
     )
     plan.add_argument(
         "--loss-chunk", type=cfg.non_negative_int, help="tokens per loss chunk; 0: full logits"
     )
-    plan.add_argument("--device-memory", type=float, help="GB (1e9 bytes) of each device")
+    plan.add_argument(
+        "--device-memory", type=cfg.positive_float, help="GB (1e9 bytes) of each device"
+    )
     plan.add_argument(
         "--xla",
         action="store_true",
         help="also compile the steps for this backend and print XLA's memory_analysis "
         "(a GPU's own numbers on a GPU machine; about a minute for a scanned 7B on a CPU)",
     )
-    plan.add_argument("--headroom", type=float, default=0.1, help="fraction left unplanned")
+    plan.add_argument(
+        "--headroom", type=cfg.unit_interval, default=0.1, help="fraction left unplanned, in [0, 1)"
+    )
     return p
 
 

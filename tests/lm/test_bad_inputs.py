@@ -23,17 +23,20 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import rudax.checkpoint as rc
-from examples.lm import train
+from examples.lm import plan, train
 from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError, TokenLoader
 from examples.lm.prepare import open_split
 from tests._catalog import Bad, catalog
 from tests.lm.conftest import TINY
+
+HF_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "lm" / "hf_configs"
 
 
 class UsageExit(Exception):
@@ -63,12 +66,13 @@ def _data(prepared: Path | None = None) -> list[str]:
     return ["--data", str(_ENV["corpus"]), "--data-dir", str(prepared or _ENV["prepared"])]
 
 
-def cli(*argv: str) -> dict:
-    """train.main(argv); an exit becomes UsageExit/HaltExit carrying the error line."""
+def cli(*argv: str, main: Any = train.main) -> Any:
+    """main(argv) (the trainer's, or the planner's); an exit becomes UsageExit/HaltExit
+    carrying the error line."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return train.main(list(argv))
+            return main(list(argv))
     except SystemExit as e:
         text = err.getvalue()
         assert "Traceback" not in text, text
@@ -269,6 +273,24 @@ CASES = [
         lambda: _fresh("--d-model", "64", "--init-from", str(_copied_run())), UsageExit,
         r"--init-from: restore: record\.model\['blocks'\]\[0\]\S*: saved shape \(32, 32\) "
         r"dtype bfloat16, template shape \(64, 64\)"),
+    # ---------------------------------------------- the planner (issue 29: "fits" on nonsense)
+    Bad("plan-negative-headroom",
+        lambda: cli("--device-memory", "2", "--headroom", "-0.1", main=plan.main), UsageExit,
+        r"--headroom: must be >= 0 and < 1, got -0\.1"),
+    Bad("plan-headroom-above-1", lambda: cli("--headroom", "1.5", main=plan.main), UsageExit,
+        r"--headroom: must be >= 0 and < 1, got 1\.5"),
+    Bad("plan-headroom-nan", lambda: cli("--headroom", "nan", main=plan.main), UsageExit,
+        r"--headroom: must be >= 0 and < 1, got nan"),
+    Bad("plan-negative-device-memory", lambda: cli("--device-memory", "-5", main=plan.main),
+        UsageExit, r"--device-memory: must be > 0, got -5"),
+    Bad("plan-device-memory-nan", lambda: cli("--device-memory", "nan", main=plan.main),
+        UsageExit, r"--device-memory: must be > 0, got nan"),
+    Bad("plan-dropout-1", lambda: cli("--finetune", "qlora", "--dropout", "1", main=plan.main),
+        UsageExit, r"--dropout: must be >= 0 and < 1, got 1"),
+    Bad("plan-seq-len-past-the-positions",
+        lambda: cli("--hf-config", str(HF_CONFIGS / "llama-2-7b.json"), "--finetune", "qlora",
+                    "--seq-len", "100000", main=plan.main),
+        UsageExit, r"--seq-len 100000 is more than the 4096 positions of \S+llama-2-7b\.json"),
     # ------------------------------------------------------------------ runs that go wrong
     Bad("lr-that-diverges", lambda: _fresh("--optimizer", "adamw", "--lr", "1e30"), HaltExit,
         r"update \d: (the training loss is nan|parameter params\[.*\] is not finite)",
