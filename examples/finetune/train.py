@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser; ``--help`` lists every flag with its default."""
     p = argparse.ArgumentParser(
         prog="python -m examples.finetune",
+        # one line above an error, not every flag: --help lists them
+        usage="%(prog)s [flags]  (--help lists them)",
         description="QLoRA / LoRA fine-tuning of a Hugging Face Llama directory on JSONL.",
         formatter_class=HelpFormatter,
         allow_abbrev=False,

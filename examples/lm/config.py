@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser; ``--help`` lists every flag with its default."""
     p = argparse.ArgumentParser(
         prog="python -m examples.lm.train",
+        # one line above an error, not every flag: --help lists them
+        usage="%(prog)s [flags]  (--help lists them)",
         description=(
             "Train a small GPT (dense or MoE) with rudax on a local text corpus (default: the "
             "Python standard library's sources). Writes checkpoints, metrics.jsonl and loss.png "

@@ -1,0 +1,31 @@
+"""A command-line mistake prints the one-line usage and the error, not every flag (issue 29:
+about 30 lines of usage text came before each error)."""
+
+import contextlib
+import io
+
+import pytest
+
+from examples.finetune.train import main as finetune
+from examples.lm.plan import main as plan
+from examples.lm.train import main as train
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "error"),
+    [
+        (train, ["--lr", "x"], "python -m examples.lm.train: error: argument --lr: expected"),
+        (finetune, ["--rank", "x"], "python -m examples.finetune: error: argument --rank"),
+        (plan, ["--headroom", "2"], "python -m examples.lm.plan: error: argument --headroom"),
+    ],
+    ids=["train", "finetune", "plan"],
+)
+def test_an_error_follows_one_line_of_usage(main, argv, error):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        main(argv)
+    lines = err.getvalue().strip().splitlines()
+    assert exit_.value.code == 2
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("usage: python -m ") and "--help lists them" in lines[0]
+    assert lines[1].startswith(error), lines[1]
