@@ -122,13 +122,18 @@ def _quantize_nf4(x_NxB: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's absmax, and each value's nearest NF4 index after scaling by it."""
     absmax_N = jnp.max(jnp.abs(x_NxB), axis=1)
     # bitsandbytes multiplies by the reciprocal (not a division: the bits differ).
-    normal_N = absmax_N >= _TINY
-    inv_N = jnp.where(normal_N, jnp.float32(1.0) / jnp.where(normal_N, absmax_N, 1.0), 0.0)
+    # A NaN absmax keeps its NaN reciprocal (every value then takes the last code, as in
+    # bitsandbytes); only a zero or subnormal one scales by 0.
+    small_N = absmax_N < _TINY
+    inv_N = jnp.where(small_N, 0.0, jnp.float32(1.0) / jnp.where(small_N, 1.0, absmax_N))
     scaled = jnp.clip(x_NxB * inv_N[:, None], -1.0, 1.0)
     # Nearest code, a tie (exactly on a midpoint) going to the lower one: the count of
     # fp32 midpoints strictly below the value (torch.bucketize's rule).
     mids = jnp.asarray(_midpoints(NF4_CODE))
     index = jnp.sum(scaled[..., None] > mids, axis=-1, dtype=jnp.int32)
+    # A NaN (an inf's own position, inf * 0) takes the last code, +1.0, as bitsandbytes'
+    # search falls through to it: an inf weight comes back as +inf, the rest of its block NaN.
+    index = jnp.where(jnp.isnan(scaled), len(NF4_CODE) - 1, index)
     return absmax_N, index.astype(jnp.uint8)
 
 
@@ -147,7 +152,11 @@ def nf4_quantize(
         absmax_b = max_i |w_i|                                  (fp32)
         code_i   = argmin_k |NF4[k] - clip(w_i * (1 / absmax_b), -1, 1)|
 
-    the tie going to the lower ``k``. With ``double_quant`` the absmax values are quantized
+    the tie going to the lower ``k``. Non-finite weights follow bitsandbytes: a block holding
+    a NaN or an inf is NaN when dequantized, but for an inf's own position, which is +inf
+    (whatever its sign, as bitsandbytes gives). A finite weight of magnitude >= 2**126 is
+    refused (its block's reciprocal would be subnormal, which XLA flushes to zero; under
+    ``jit`` such a block is stored as zeros). With ``double_quant`` the absmax values are quantized
     again (QLoRA section 3): ``offset = mean(absmax)``, and ``absmax - offset`` is stored as
     8-bit codes of the signed dynamic map in blocks of 256, each with its fp32 absmax. That is
     ``8 / block_size + 32 / (256 block_size)`` bits per weight of overhead (0.127 at 64)
@@ -220,11 +229,33 @@ def nf4_quantize(
     codes = _concatenate([codes for codes, _ in pieces])
     absmax_N = _concatenate([absmax for _, absmax in pieces])
     del pieces
+    _check_magnitude(absmax_N, block_size)
     shape, dtype = tuple(w.shape), jnp.dtype(w.dtype)
     if not double_quant:
         return NF4Tensor(codes, absmax_N, None, None, None, shape, dtype, block_size)
     absmax_codes, scales_M, offset = _double_quantize_all(absmax_N, absmax_rounding)
     return NF4Tensor(codes, None, absmax_codes, scales_M, offset, shape, dtype, block_size)
+
+
+# The largest magnitude whose fp32 reciprocal is a normal number: above it the reciprocal is
+# subnormal, which XLA flushes to zero, and the block would be stored as zeros.
+_HUGE = float(2.0**126)
+
+
+def _check_magnitude(absmax_N: jax.Array, block_size: int) -> None:
+    """A ValueError for a concrete block whose absmax is finite and >= 2**126."""
+    if isinstance(absmax_N, jax.core.Tracer):
+        return  # traced: such a block is stored as zeros (see the docstring)
+    huge = jnp.isfinite(absmax_N) & (absmax_N >= _HUGE)
+    if bool(jnp.any(huge)):
+        b = int(jnp.argmax(huge))
+        magnitude = str(np.float32(absmax_N[b]))  # as fp32 prints it: 1e+38
+        raise ValueError(
+            f"w's block {b} (flat indices {b * block_size} to {(b + 1) * block_size - 1}) holds "
+            f"a magnitude of {magnitude}: NF4 cannot store a finite magnitude >= "
+            "2**126 (~8.5e37), whose reciprocal is subnormal (flushed to zero here); the weight "
+            "is damaged, or scale it first"
+        )
 
 
 def _concatenate(arrays: list[jax.Array]) -> jax.Array:

@@ -143,6 +143,13 @@ CASES = [
         TypeError,
         r"hierarchical must be a bool, got hierarchical=1",
     ),
+    # issue 29: a block this large came back as zeros (its reciprocal is subnormal)
+    Bad(
+        "nf4-magnitude-with-a-subnormal-reciprocal",
+        lambda: rk.nf4_quantize(jnp.zeros((2, 64)).at[1, 3].set(1e38)),
+        ValueError,
+        r"w's block 1 \(flat indices 64 to 127\) holds a magnitude of 1e\+38",
+    ),
 ]
 
 test_bad_input = catalog(CASES)

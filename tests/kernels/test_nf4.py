@@ -149,6 +149,35 @@ def test_matches_bitsandbytes(shape, dtype_name):
 
 
 @needs_bitsandbytes
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("position", [0, 37, 63], ids=["first", "middle", "last"])
+def test_non_finite_weights_dequantize_as_bitsandbytes_does(value, position):
+    """Issue 29: a NaN must not come back finite (XLA:CPU's max once dropped it) and an inf
+    must come back as bitsandbytes gives it (+inf at its place, NaN in its block), not -inf;
+    the other blocks are untouched."""
+    w = np.random.default_rng(1).normal(0.0, 0.02, (4, 64)).astype(np.float32)
+    w[1, position] = value
+    codes_t, state = bnbf.quantize_4bit(torch.from_numpy(w), quant_type="nf4", blocksize=64)
+    want = dequantize_4bit(codes_t, state).numpy()
+    q = nf4_quantize(jnp.asarray(w), double_quant=False)
+    np.testing.assert_array_equal(np.asarray(q.codes), codes_t.numpy().reshape(-1))
+    np.testing.assert_array_equal(_bits(nf4_dequantize(q)), _bits(want))
+    assert np.isnan(want[1]).sum() == (64 if np.isnan(value) else 63)
+
+
+def test_a_magnitude_whose_reciprocal_is_subnormal_is_refused():
+    """Issue 29: a block whose absmax is >= 2**126 came back as zeros (its reciprocal is
+    subnormal and XLA flushes it); bitsandbytes keeps it. Refused, naming the block."""
+    w = np.random.default_rng(2).normal(0.0, 0.02, (4, 64)).astype(np.float32)
+    w[2, 10] = 1e38
+    with pytest.raises(ValueError, match=r"w's block 2 \(flat indices 128 to 191\) holds a "
+                       r"magnitude of 1e\+38: NF4 cannot store"):  # fmt: skip
+        nf4_quantize(jnp.asarray(w))
+    w[2, 10] = np.float32(2.0**126) * np.float32(0.99)  # the largest normal reciprocal: kept
+    assert np.isfinite(np.asarray(nf4_dequantize(nf4_quantize(jnp.asarray(w))))).all()
+
+
+@needs_bitsandbytes
 def test_block_size_128_matches_bitsandbytes():
     w_j, w_t = _weight((256, 96), "bfloat16", seed=3)
     codes_t, state = bnbf.quantize_4bit(w_t, quant_type="nf4", blocksize=128)
