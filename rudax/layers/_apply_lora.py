@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import typing
+import warnings
 from collections.abc import Iterable, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -196,6 +197,16 @@ def plan_lora(
         raise ValueError(
             f"targets={targets!r} matches no module of the model; {_candidates_text(modules)}"
         )
+    if not isinstance(targets, str):
+        # peft says nothing of a listed name that matches nothing (a typo, another model's
+        # name): the run would train fewer layers than asked for.
+        unmatched = [t for t in targets if not any(target_matcher([t])(m.name) for m in chosen)]
+        if unmatched:
+            warnings.warn(
+                f"targets {unmatched} match no module of the model (the other targets do); "
+                f"{_candidates_text(modules)}",
+                stacklevel=3,
+            )
     adapted = [m.name for m in chosen if isinstance(m.module, LoRALinear)]
     if adapted:
         raise ValueError(f"targets={targets!r} matches layers that already have LoRA: {adapted}")

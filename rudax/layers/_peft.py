@@ -354,7 +354,14 @@ def load_adapter(
     scale_rule = _RULES[config.get("use_rslora", False)]
     scale = alpha / r if scale_rule == "alpha/rank" else alpha / math.sqrt(r)
 
-    with safe_open(weights_path, framework="numpy") as f:
+    try:
+        handle = safe_open(weights_path, framework="numpy")
+    except Exception as e:  # safetensors' own SafetensorError, whose message names no file
+        raise ValueError(
+            f"load_adapter: {weights_path} is not a readable safetensors file ({e}): the file is "
+            "damaged or was not written by save_adapter or peft"
+        ) from e
+    with handle as f:
         in_file = _read_keys(weights_path, f)
         existing = lora_modules(model, names)
         if existing:

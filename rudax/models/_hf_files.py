@@ -109,8 +109,8 @@ def open_checkpoint(directory: str | os.PathLike) -> dict[str, SafetensorsFile]:
         found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
         bins = [n for n in found if n.endswith(".bin")]
         hint = f" (it holds {bins}: rudax reads safetensors only)" if bins else ""
-        if single.exists() and not single.is_file():
-            hint = f" ({WEIGHTS} is not a regular file)"
+        if os.path.lexists(single):  # there, but not a file: exists() is False for a loop
+            hint = f" ({WEIGHTS} is not a regular file: a folder, a broken symlink or a loop)"
         raise ValueError(f"{directory}: no {WEIGHTS} or {INDEX}{hint}")
     where: dict[str, SafetensorsFile] = {}
     for path in paths:

@@ -6,11 +6,15 @@ activations, float token ids). Negative token ids are not an error under ``jit``
 rows, tested in ``test_embedding.py``.
 """
 
+import tempfile
+from pathlib import Path
+
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 import rudax.layers as rl
-from tests._catalog import Bad, catalog
+from tests._catalog import Bad, Holds, catalog
 
 
 def rngs():
@@ -25,7 +29,39 @@ def embedding(**kwargs):
     return rl.Embedding(5, 3, rngs=rngs(), **kwargs)
 
 
+def _two_projections():
+    return nnx.Dict(q_proj=linear(), v_proj=linear())
+
+
+def _damaged_adapter() -> None:
+    """Issue 29: a truncated adapter file gave safetensors' own error, naming no file."""
+    model = _two_projections()
+    rl.apply_lora(model, ["q_proj"], rank=2, alpha=4, rngs=rngs())
+    folder = Path(tempfile.mkdtemp())
+    rl.save_adapter(model, folder, base_model_name_or_path="tiny")
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-16])
+    rl.load_adapter(_two_projections(), folder)
+
+
+def _a_target_that_matches_nothing_warns() -> None:
+    """Issue 29: peft says nothing of a listed target that matches no layer; rudax warns,
+    naming it, and adapts the layers the other targets match."""
+    model = _two_projections()
+    with pytest.warns(UserWarning, match=r"targets \['qkv_proj'\] match no module"):
+        assert rl.apply_lora(model, ["q_proj", "qkv_proj"], rank=2, alpha=4, rngs=rngs()) == [
+            "q_proj"
+        ]
+
+
 CASES = [
+    Bad(
+        "adapter-file-damaged",
+        _damaged_adapter,
+        ValueError,
+        r"load_adapter: \S+adapter_model\.safetensors is not a readable safetensors file",
+    ),
+    Holds("lora-target-that-matches-nothing", _a_target_that_matches_nothing_warns),
     Bad(
         "linear-in-features-0",
         lambda: linear(0),
