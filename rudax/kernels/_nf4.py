@@ -21,6 +21,7 @@ import functools
 from typing import Literal
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
