@@ -557,6 +557,10 @@ def _check_flags(args: argparse.Namespace, run_dir: Path) -> None:
         )
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    for flag in ("data", "val_data"):  # before anything is exported or written
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
     if not 0 <= args.warmup < args.steps:
         raise UsageError(f"--warmup must be in [0, --steps), got {args.warmup}, {args.steps=}")
     if args.merged:

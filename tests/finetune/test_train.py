@@ -323,6 +323,9 @@ def test_resume_before_any_checkpoint_starts_over_and_a_moved_base_is_found(
         (("--warmup", "-1"), "--warmup must be in [0, --steps), got -1"),
         (("--min-lr-ratio", "2"), "--min-lr-ratio must be in [0, 1], got 2.0"),
         (("--scan-layers",), "--scan-layers needs --dropout 0, got --dropout 0.05"),
+        # issue 29: a raw FileNotFoundError traceback, after hf/base had been exported
+        (("--data", "/nonexistent.jsonl"), "--data /nonexistent.jsonl: no such file"),
+        (("--val-data", "/nonexistent.jsonl"), "--val-data /nonexistent.jsonl: no such file"),
     ],
 )
 def test_bad_flags_are_named(tmp_path, capsys, flags, message):
