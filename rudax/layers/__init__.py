@@ -21,7 +21,6 @@ rudax.kernels' ``flash_attention``: grouped-query heads, packed rows, windows an
 from rudax.layers._apply_lora import ModuleNames as ModuleNames
 from rudax.layers._apply_lora import apply_lora as apply_lora
 from rudax.layers._apply_lora import lora_state as lora_state
-from rudax.layers._apply_lora import merge_lora as merge_lora
 from rudax.layers._attention import Attention as Attention
 from rudax.layers._dropout import Dropout as Dropout
 from rudax.layers._dtype import to_dtype as to_dtype
@@ -33,6 +32,7 @@ from rudax.layers._lookup import sorted_segment_sum as sorted_segment_sum
 from rudax.layers._lora import Frozen as Frozen
 from rudax.layers._lora import LoRALinear as LoRALinear
 from rudax.layers._lora import LoRAParam as LoRAParam
+from rudax.layers._merge_lora import merge_lora as merge_lora
 from rudax.layers._mlp import GatedMLP as GatedMLP
 from rudax.layers._moe import MoE as MoE
 from rudax.layers._moe import load_balancing_loss as load_balancing_loss

@@ -18,12 +18,12 @@ from rudax._validation import check_bool
 from rudax.layers._apply_lora import (
     ModuleNames,
     apply_lora,
-    lora_modules,
     named_modules,
     plan_lora,
     target_matcher,
 )
 from rudax.layers._lora import LoRALinear
+from rudax.layers._merge_lora import lora_modules
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
