@@ -46,24 +46,44 @@ def _newton_schulz(
 
     Runs on the wide orientation (rows <= cols) so the Gram matrix is the smaller one. Each
     matmul accumulates in fp32 and the fp32 sum is rounded to ``dtype`` once, as torch's
-    ``addmm`` does for its bf16 operands.
+    ``addmm`` does for its bf16 operands. A stack ``[..., rows, cols]`` is orthogonalized
+    matrix by matrix, batched.
     """
     a, b, c = coefficients
-    tall = update.shape[0] > update.shape[1]
-    x = (update.T if tall else update).astype(dtype)
+    swap = lambda y: jnp.swapaxes(y, -1, -2)
+    tall = update.shape[-2] > update.shape[-1]
+    x = (swap(update) if tall else update).astype(dtype)
     f32 = lambda y: y.astype(jnp.float32)
     # Frobenius norm >= spectral norm, so every singular value starts in [0, 1].
-    norm = jnp.sqrt(jnp.sum(jnp.square(f32(x))))
+    norm = _frobenius_norm(x)
     x = (f32(x) / jnp.maximum(norm, eps)).astype(dtype)
     # HIGHEST keeps fp32 matmuls out of TF32 on GPUs; it changes nothing for bf16 operands.
     mm = lambda p, q: jnp.matmul(
         p, q, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
     for _ in range(steps):
-        gram = mm(x, x.T).astype(dtype)
+        gram = mm(x, swap(x)).astype(dtype)
         poly = (b * f32(gram) + c * mm(gram, gram)).astype(dtype)
         x = (a * f32(x) + mm(poly, x)).astype(dtype)
-    return x.T if tall else x
+    return swap(x) if tall else x
+
+
+def _frobenius_norm(x: jax.Array) -> jax.Array:
+    """The fp32 Frobenius norm of a matrix (a scalar) or of each matrix of a stack ``[..., 1, 1]``.
+
+    A stack's are summed matrix by matrix, not over its last two axes at once: XLA sums an
+    ``[L, m, n]`` array over those in another order than it sums an ``[m, n]`` one (on CPU,
+    for ``[3, 32, 64]`` say), and each matrix of a stack must get the bits it gets as a leaf
+    of its own. The price is L small reductions in the program instead of one.
+    """
+    norm = lambda m: jnp.sqrt(jnp.sum(jnp.square(m.astype(jnp.float32))))
+    if x.ndim == 2:
+        return norm(x)
+    count = math.prod(x.shape[:-2])
+    if count == 0:  # an empty stack: nothing to normalize
+        return jnp.zeros((*x.shape[:-2], 1, 1), jnp.float32)
+    norms = jnp.stack([norm(m) for m in x.reshape(count, *x.shape[-2:])])
+    return norms.reshape(*x.shape[:-2], 1, 1)
 
 
 def _lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None, layout: str) -> float:
@@ -94,12 +114,22 @@ def _refuse_complex(owner: str, what: str, tree: Any, selected: Any = None) -> N
             )
 
 
-def _check_matrix(path: Any, x: Any) -> None:
-    if jnp.ndim(x) != 2:
-        raise ValueError(
-            f"Muon orthogonalizes 2-D matrices; params{jax.tree_util.keystr(path)} has shape "
-            f"{jnp.shape(x)}. Send it to the AdamW fallback with muon_mask."
+def _check_matrix(path: Any, x: Any, *, stacked: bool) -> None:
+    """A ValueError naming a leaf Muon cannot take: not 2-D, or (stacked) of rank < 2."""
+    ndim = jnp.ndim(x)
+    if ndim == 2 or (stacked and ndim > 2):
+        return
+    what = "2-D matrices and stacks of them" if stacked else "2-D matrices"
+    hint = ""
+    if ndim > 2:
+        hint = (
+            ", or pass stacked=True if its leading axes index a stack of matrices "
+            "(rudax.layers.stack_layers)"
         )
+    raise ValueError(
+        f"Muon orthogonalizes {what}; params{jax.tree_util.keystr(path)} has shape "
+        f"{jnp.shape(x)}. Send it to the AdamW fallback with muon_mask{hint}."
+    )
 
 
 class ScaleByMuonState(NamedTuple):
@@ -112,6 +142,7 @@ _SCALE_BY_MUON_STATIC = (
     "ns_coefficients",
     "adjust_lr_fn",
     "matrix_layout",
+    "stacked",
     "ns_dtype",
     "moment_dtype",
 )
@@ -127,6 +158,7 @@ def scale_by_muon(
     eps: float | jax.Array = 1e-7,
     adjust_lr_fn: str | None = None,
     matrix_layout: str = "in_out",
+    stacked: bool = False,
     ns_dtype: DTypeLike = jnp.bfloat16,
     moment_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformation:
@@ -149,6 +181,13 @@ def scale_by_muon(
     reads ``fan_in, fan_out = A, B`` and gives the same ``r`` as torch for the same layer;
     ``"out_in"`` applies torch's formula to the array as it is. Only ``"original"`` depends on it.
 
+    **Stacked layers.** With ``stacked=True`` a leaf of rank > 2, such as the ``[L, in, out]``
+    kernel of layers stored stacked for ``lax.scan`` (``rudax.layers.stack_layers``), is a
+    stack of matrices over its leading axes: each ``x[i, ..., :, :]`` gets its own
+    Newton-Schulz, normalization and ratio ``r`` (of the last two dims), the update it would
+    get as a leaf of its own (bit for bit op by op; under ``jit`` XLA may fuse and round the
+    two programs differently). The momentum is elementwise either way.
+
     Args:
       momentum: EMA decay of the momentum buffer, in [0, 1).
       nesterov: use the Nesterov look-ahead ``M_t`` above.
@@ -157,6 +196,8 @@ def scale_by_muon(
       eps: lower bound of the Frobenius norm that normalizes ``M_t``.
       adjust_lr_fn: None or ``"original"`` (the same), or ``"match_rms_adamw"``.
       matrix_layout: ``"in_out"`` (flax kernels, the default) or ``"out_in"`` (torch weights).
+      stacked: take a leaf of rank > 2 as a stack of matrices over its leading axes
+        (see above). False (the default) refuses it, as a leaf that is not a matrix.
       ns_dtype: floating dtype of the Newton-Schulz iteration; ``jnp.float32`` for exactness.
       moment_dtype: storage dtype of the momentum buffer, e.g. ``jnp.float32`` for bf16
         parameters; None keeps each parameter's dtype. Each update is computed in the wider of
@@ -164,9 +205,10 @@ def scale_by_muon(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a ``ScaleByMuonState``.
-      Every leaf must be 2-D: a ``ValueError`` names the first that is not; and real: a
-      ``TypeError`` names the first complex one. An empty ``(0, n)`` or ``(n, 0)`` matrix
-      gets an empty update (torch's ``"original"`` ratio divides by zero for one of the two).
+      Every leaf must be 2-D (of rank >= 2 with ``stacked=True``): a ``ValueError`` names the
+      first that is not; and real: a ``TypeError`` names the first complex one. An empty
+      ``(0, n)`` or ``(n, 0)`` matrix gets an empty update (torch's ``"original"`` ratio
+      divides by zero for one of the two).
       ``momentum`` and ``eps`` may be injected (``rudax.optim.inject_hyperparams``); the
       other arguments shape the program and are static.
 
@@ -189,6 +231,7 @@ def scale_by_muon(
     )
     check_in_range("momentum", momentum, 0.0, 1.0)
     check_bool("nesterov", nesterov)
+    check_bool("stacked", stacked)
     check_positive_int("ns_steps", ns_steps)
     if ns_steps >= 100:
         raise ValueError(f"ns_steps must be < 100 (torch.optim.Muon's bound), got {ns_steps=}")
@@ -204,20 +247,23 @@ def scale_by_muon(
     if ns_dtype is None:
         raise TypeError(f"ns_dtype must be a floating dtype, got {ns_dtype=}")
     momentum, eps = as_weak(momentum), as_weak(eps)
+    check_matrices = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, x: _check_matrix(path, x, stacked=stacked), tree
+    )
 
     def init_fn(params: optax.Params) -> ScaleByMuonState:
-        jax.tree_util.tree_map_with_path(_check_matrix, params)
+        check_matrices(params)
         return ScaleByMuonState(momentum=jax.tree.map(jnp.zeros_like, params))
 
     def update_fn(updates, state, params=None):
         del params
-        jax.tree_util.tree_map_with_path(_check_matrix, updates)
+        check_matrices(updates)
 
         def leaf(g, buf):
             buf = momentum * buf + (1.0 - momentum) * g
             m = (1.0 - momentum) * g + momentum * buf if nesterov else buf
             o = _newton_schulz(m, coefficients, ns_steps, eps, ns_dtype).astype(g.dtype)
-            return _lr_ratio(g.shape, adjust_lr_fn, matrix_layout) * o, buf
+            return _lr_ratio(g.shape[-2:], adjust_lr_fn, matrix_layout) * o, buf
 
         u, buf = map_in_compute_dtype(
             leaf, updates, state.momentum, owner="scale_by_muon", names=("momentum",)
@@ -256,7 +302,7 @@ def _check_coefficients(value: Any) -> tuple[float, float, float]:
 MaskSpec = Any | Callable[[optax.Params], Any] | None
 
 
-def _muon_labels(muon_mask: MaskSpec) -> Callable[[optax.Params], Any]:
+def _muon_labels(muon_mask: MaskSpec, stacked: bool) -> Callable[[optax.Params], Any]:
     """Turns muon_mask into optax.partition's labels ("muon" or "adamw", one per leaf).
 
     The mask is matched to the parameters by path, not by tree type, so a plain dict mask
@@ -283,7 +329,7 @@ def _muon_labels(muon_mask: MaskSpec) -> Callable[[optax.Params], Any]:
             if not isinstance(selected, bool | np.bool_):
                 raise TypeError(f"muon_mask{key} must be a bool, got {selected!r}")
             if selected:
-                _check_matrix(path, p)
+                _check_matrix(path, p, stacked=stacked)
             return "muon" if selected else "adamw"
 
         return jax.tree_util.tree_map_with_path(label, params)
@@ -303,6 +349,7 @@ def muon(
     eps: float | jax.Array = 1e-7,
     adjust_lr_fn: str | None = None,
     matrix_layout: str = "in_out",
+    stacked: bool = False,
     muon_mask: MaskSpec = None,
     adamw_learning_rate: optax.ScalarOrSchedule | None = None,
     adamw_b1: float | jax.Array = 0.9,
@@ -355,9 +402,14 @@ def muon(
         reuse AdamW's lr and decay).
       matrix_layout: ``"in_out"`` (flax kernels, the default) or ``"out_in"`` (torch
         weights): which axis is fan_in for ``"original"``; see :func:`scale_by_muon`.
+      stacked: Muon takes a selected leaf of rank > 2 as a stack of matrices over its
+        leading axes (layers stored stacked, ``rudax.layers.stack_layers``), each stepped as
+        a leaf of its own; see :func:`scale_by_muon`. False (the default) refuses it.
       muon_mask: which leaves Muon takes: None (every 2-D leaf), a pytree of bools with the
         params' paths, or a callable of the params (of the updates, in ``update``) returning
-        one. A selected leaf must be 2-D.
+        one. A selected leaf must be 2-D (of rank >= 2 with ``stacked=True``). The default
+        takes no stacked kernel ``[L, in, out]`` and does take a stacked bias ``[L, out]``:
+        give stacked layers a mask.
       adamw_learning_rate: the fallback's learning rate; None reuses ``learning_rate``.
       adamw_b1: the fallback's first-moment decay, in [0, 1).
       adamw_b2: the fallback's second-moment decay, in [0, 1).
@@ -377,8 +429,8 @@ def muon(
       An ``optax.GradientTransformationExtraArgs`` around an ``optax.partition`` of the two
       chains (its state is the partition's). Its ``update`` needs ``params``. The arguments
       that shape the program (``nesterov``, ``ns_steps``, ``ns_coefficients``,
-      ``adjust_lr_fn``, ``matrix_layout``, ``muon_mask``, ``ns_dtype``, ``moment_dtype``,
-      ``mask``) are static under ``rudax.optim.inject_hyperparams``; with
+      ``adjust_lr_fn``, ``matrix_layout``, ``stacked``, ``muon_mask``, ``ns_dtype``,
+      ``moment_dtype``, ``mask``) are static under ``rudax.optim.inject_hyperparams``; with
       ``optax.inject_hyperparams`` pass them as ``static_args``. The float ones may be injected.
 
     Example:
@@ -433,9 +485,10 @@ def muon(
         eps=eps,
         adjust_lr_fn=adjust_lr_fn,
         matrix_layout=matrix_layout,
+        stacked=stacked,
         ns_dtype=ns_dtype,
     )
-    labels = _muon_labels(muon_mask)
+    labels = _muon_labels(muon_mask, stacked)
 
     def partitioned(decay_mask: DecayMask) -> optax.GradientTransformation:
         # moment_dtype=None inside: torch_chain and adamw apply it to their whole chains.

@@ -223,6 +223,7 @@ test_bad_hyperparameters = rejects(
         ({"adamw_b2": 2.0}, ValueError, "adamw_b2=2.0"),
         ({"adamw_eps": -1.0}, ValueError, "adamw_eps=-1.0"),
         ({"adamw_weight_decay": -1.0}, ValueError, "adamw_weight_decay=-1.0"),
+        ({"stacked": "yes"}, TypeError, "stacked='yes'"),
         ({"ns_dtype": None}, TypeError, "ns_dtype=None"),
         ({"ns_dtype": jnp.int8}, TypeError, "ns_dtype"),
         ({"moment_dtype": jnp.int32}, TypeError, "moment_dtype"),
@@ -302,6 +303,179 @@ def test_empty_matrix_gets_an_empty_update(shape, matrix_layout):
     want, _ = jax.jit(tx.update)({k: grads[k] for k in full}, tx.init(full), full)
     for key in full:
         np.testing.assert_array_equal(np.asarray(updates[key]), np.asarray(want[key]))
+
+
+# ---------------------------------------------------------------------------------------------
+# stacked=True: a leaf [L, ..., m, n] of layers stored stacked is L independent matrices.
+
+
+def unstack(x):
+    """The matrices x[i, ..., :, :] of a stack, in row-major order of its leading axes."""
+    return [x[i] for i in np.ndindex(*x.shape[:-2])]
+
+
+def restack(matrices, shape):
+    return np.stack([np.asarray(m) for m in matrices]).reshape(shape)
+
+
+def run_steps(tx, params, grads, *, jit=False):
+    """The updates and states of len(grads) steps, each applied to the parameters."""
+    state, update = tx.init(params), jax.jit(tx.update) if jit else tx.update
+    trajectory = []
+    for g in grads:
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        trajectory.append((updates, state))
+    return trajectory, update
+
+
+def stacked_problem(shape, dtype, steps=3):
+    """A stacked kernel "w" and a stacked bias "b" [..., n], with `steps` gradients."""
+    key = jax.random.key(sum(shape))
+    draw = lambda k, s: jax.random.normal(jax.random.fold_in(key, k), s).astype(dtype)
+    params = {"w": draw(0, shape), "b": draw(1, shape[:-2] + shape[-1:])}
+    grads = [{"w": draw(2 + t, shape), "b": draw(10 + t, params["b"].shape)} for t in range(steps)]
+    return params, grads
+
+
+def per_matrix(tree):
+    """The layers unstacked: the kernel "w" as a list of its matrices, the bias "b" (if any)
+    as a list of its vectors."""
+    out = {"w": unstack(tree["w"])}
+    if "b" in tree:
+        out["b"] = [tree["b"][i] for i in np.ndindex(*tree["b"].shape[:-1])]
+    return out
+
+
+# [2, 2, 4, 6]: two leading axes (experts of stacked layers). [3, 64, 32]: summed over its last
+# two axes at once, XLA rounds the Frobenius norms differently than for each [64, 32] matrix,
+# which the fp32 Newton-Schulz shows (the bf16 one rounds it away for these gradients).
+STACKED_SHAPES = [(3, 8, 5), (2, 2, 4, 6), (3, 64, 32)]
+
+
+def muon_momentum(state):
+    """The Muon momentum tree in a scale_by_muon or a muon state."""
+    if hasattr(state, "inner_states"):  # muon's optax.partition
+        return state.inner_states["muon"].inner_state[0].momentum
+    return state.momentum
+
+
+@pytest.mark.parametrize("ns", [{}, {"ns_dtype": jnp.float32}], ids=["ns-default", "ns-fp32"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", STACKED_SHAPES, ids=str)
+@pytest.mark.parametrize("which", ["scale_by_muon", "muon"])
+def test_stacked_equals_each_matrix_as_a_leaf_bit_for_bit(which, shape, dtype, ns):
+    """Op by op (no jit: XLA may fuse and round two programs differently), over three steps:
+    each matrix of a stacked leaf gets the update and momentum it gets as a leaf of its own,
+    with the default (bf16) and the fp32 Newton-Schulz. muon also sends a stacked bias to
+    AdamW."""
+    params, grads = stacked_problem(shape, dtype)
+    if which == "scale_by_muon":
+        params, grads = {"w": params["w"]}, [{"w": g["w"]} for g in grads]
+        stacked, single = ro.scale_by_muon(stacked=True, **ns), ro.scale_by_muon(**ns)
+    else:
+        stacked = ro.muon(0.02, stacked=True, muon_mask={"w": True, "b": False}, **ns)
+        single = ro.muon(0.02, **ns)  # the default mask: matrices to Muon, biases to AdamW
+    got, _ = run_steps(stacked, params, grads)
+    want, _ = run_steps(single, per_matrix(params), [per_matrix(g) for g in grads])
+    for (u, state), (u_want, state_want) in zip(got, want, strict=True):
+        for key in u:
+            assert u[key].dtype == dtype
+            np.testing.assert_array_equal(u[key], restack(u_want[key], u[key].shape), key)
+        buf, buf_want = muon_momentum(state)["w"], muon_momentum(state_want)["w"]
+        np.testing.assert_array_equal(buf, restack(buf_want, shape))
+
+
+def test_stacked_takes_a_plain_matrix_too():
+    params = {"layers": jnp.linspace(-1, 1, 4 * 6 * 3).reshape(4, 6, 3), "head": jnp.ones((3, 5))}
+    grads = [jax.tree.map(lambda p, t=t: jnp.cos(3.0 * p + t), params) for t in range(3)]
+    got, _ = run_steps(ro.scale_by_muon(stacked=True), params, grads)
+    split = lambda tree: {"layers": unstack(tree["layers"]), "head": tree["head"]}
+    want, _ = run_steps(ro.scale_by_muon(), split(params), [split(g) for g in grads])
+    for (u, _), (u_want, _) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(u["head"], u_want["head"])
+        np.testing.assert_array_equal(u["layers"], restack(u_want["layers"], (4, 6, 3)))
+
+
+def test_stacked_under_jit_compiles_once_and_matches_each_matrix():
+    # Under jit the stacked and per-matrix programs are two XLA programs, fused and rounded
+    # each its own way (x / norm becomes x * (1 / norm), say): they differ by what the
+    # per-matrix transform's own jitted and op-by-op updates differ by, ~1e-6 of the largest.
+    params, grads = stacked_problem((3, 64, 32), jnp.float32)
+    tx = ro.muon(0.02, stacked=True, muon_mask={"w": True, "b": False}, ns_dtype=jnp.float32)
+    got, update = run_steps(tx, params, grads, jit=True)
+    assert update._cache_size() == 1
+    single = ro.muon(0.02, ns_dtype=jnp.float32)
+    want, _ = run_steps(single, per_matrix(params), [per_matrix(g) for g in grads], jit=True)
+    for (u, _), (u_want, _) in zip(got, want, strict=True):
+        for key in u:
+            w = restack(u_want[key], u[key].shape)
+            np.testing.assert_allclose(u[key], w, rtol=0, atol=1e-5 * np.abs(w).max())
+
+
+@pytest.mark.parametrize(
+    ("shape", "matrix_layout", "adjust_lr_fn", "ratio"),
+    [
+        ((2, 4, 16), "in_out", None, 2.0),  # fan_out / fan_in = 16 / 4; not (4 / 2) ** 0.5
+        ((2, 16, 4), "out_in", None, 2.0),  # torch's (out, in) = (16, 4); not 1 from (2, 16)
+        ((3, 2, 4, 16), "in_out", "match_rms_adamw", 0.8),  # 0.2 sqrt(max(4, 16))
+    ],
+)
+def test_stacked_lr_ratio_is_of_the_last_two_dims(shape, matrix_layout, adjust_lr_fn, ratio):
+    g = jax.random.normal(jax.random.key(5), shape)
+    kw = dict(momentum=0.0, adjust_lr_fn=adjust_lr_fn, matrix_layout=matrix_layout)
+    tx = ro.scale_by_muon(stacked=True, ns_dtype=jnp.float32, **kw)
+    u, _ = tx.update(g, tx.init(g))
+    for u_i, g_i in zip(unstack(u), unstack(g), strict=True):
+        want = ratio * newton_schulz(np.asarray(g_i, np.float64))
+        np.testing.assert_allclose(u_i, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 4), (2, 0, 3), (2, 3, 0)], ids=str)
+def test_stacked_empty_stack_or_matrices_get_an_empty_update(shape):
+    params = {"w": jnp.ones(shape), "v": jnp.ones((3, 2))}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    tx = ro.scale_by_muon(stacked=True)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params))
+    assert updates["w"].shape == shape
+    want, _ = jax.jit(tx.update)({"v": grads["v"]}, tx.init({"v": params["v"]}))
+    np.testing.assert_array_equal(updates["v"], want["v"])
+
+
+def test_stacked_still_refuses_a_vector():
+    with pytest.raises(ValueError, match=r"params\['b'\] has shape \(3,\)\. Send it to the"):
+        ro.scale_by_muon(stacked=True).init({"w": jnp.ones((2, 3, 4)), "b": jnp.ones(3)})
+    tx = ro.muon(0.02, stacked=True, muon_mask={"w": True, "b": True})
+    with pytest.raises(ValueError, match=r"params\['b'\] has shape \(3,\)"):
+        tx.init({"w": jnp.ones((2, 3, 4)), "b": jnp.ones(3)})
+
+
+def test_stacked_must_be_a_bool():
+    with pytest.raises(TypeError, match="stacked must be a bool, got stacked='yes'"):
+        ro.scale_by_muon(stacked="yes")
+
+
+def test_unstacked_refusal_of_a_stack_names_stacked():
+    match = (
+        r"params\['w'\] has shape \(2, 3, 4\)\. Send it to the AdamW fallback with muon_mask, "
+        r"or pass stacked=True if its leading axes index a stack of matrices "
+        r"\(rudax\.layers\.stack_layers\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        ro.scale_by_muon().init({"w": jnp.ones((2, 3, 4))})
+    with pytest.raises(ValueError, match=match):
+        ro.muon(0.02, muon_mask={"w": True}).init({"w": jnp.ones((2, 3, 4))})
+
+
+def test_stacked_is_static_under_inject_hyperparams():
+    g = jnp.linspace(-1.0, 1.0, 24).reshape(2, 3, 4)
+    tx = ro.inject_hyperparams(ro.scale_by_muon)(momentum=0.5, stacked=True)
+    state = tx.init(g)
+    assert set(state.hyperparams) == {"momentum", "eps"}
+    u, _ = jax.jit(tx.update)(g, state)
+    plain = ro.scale_by_muon(momentum=0.5, stacked=True)
+    want, _ = jax.jit(plain.update)(g, plain.init(g))
+    np.testing.assert_array_equal(u, want)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,8 +606,8 @@ INJECT_PARAMS = {
     "c": jnp.array([1.0, 2.0, -1.0]),
 }
 STRUCTURAL = (
-    "nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn", "matrix_layout", "muon_mask",
-    "ns_dtype", "moment_dtype", "mask",
+    "nesterov", "ns_steps", "ns_coefficients", "adjust_lr_fn", "matrix_layout", "stacked",
+    "muon_mask", "ns_dtype", "moment_dtype", "mask",
 )  # fmt: skip
 # Dyadic values, exact in float32 and in float64 alike (see test_adan.py's INJECT_KWARGS).
 INJECT_KWARGS = dict(
