@@ -146,12 +146,23 @@ def load_state(
                 raise ValueError(f"{where}: no tensor {name!r} (for {'.'.join(map(str, path))})")
             source = present[0]
             tensor = np.asarray(get_tensor(source))
+            for other in present[1:]:
+                # Two tensors for one tied table: if they differ, transformers computes with
+                # both (untied, with a warning), so one table here would give other logits.
+                if not np.array_equal(np.asarray(get_tensor(other)), tensor, equal_nan=True):
+                    raise ValueError(
+                        f"{where}: the config ties the embeddings (tie_word_embeddings), but "
+                        f"{other} differs from {source}: set tie_word_embeddings to false in "
+                        "config.json to load both tables"
+                    )
             value = tensor.T if transposed else tensor
             if value.shape != want:
                 shape = tuple(reversed(want)) if transposed else want
                 raise ValueError(f"{where}: {source} has shape {tensor.shape}, the model's {shape}")
             # cast slice by slice: the stacked copy is in the storage dtype only
-            slices.append(value.astype(variable.dtype))
+            # copy=False: a tensor already in the storage dtype is not copied (the file's
+            # buffer becomes the parameter), which keeps a streamed load's peak low
+            slices.append(value.astype(variable.dtype, copy=False))
             used |= group & names
         value = np.stack(slices).reshape(variable.shape) if axes else slices[0]
         variable.set_value(jnp.asarray(value, variable.dtype))

@@ -216,6 +216,8 @@ def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
             **experts,
         )
     except (TypeError, ValueError) as e:
+        if str(e).startswith(f"{CONFIG}: "):  # need()'s, named already
+            raise
         raise type(e)(f"{CONFIG}: {e}") from e
 
 

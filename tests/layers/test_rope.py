@@ -2,7 +2,7 @@
 
 The references rotate each channel pair in float64, at positions 0 .. T-1 or at given ones,
 and rewrite the frequencies by Llama 3.1's published rule one at a time. transformers' own
-RoPE is compared through whole models in tests/lm/test_hf.py.
+RoPE is compared through whole models in tests/models/test_hf_logits.py.
 """
 
 import jax
@@ -14,7 +14,8 @@ import rudax.layers as rl
 from tests.optim._bad_input import rejects
 
 # head_dim 8 at theta 5e5: wavelengths 6.3, 167, 4.4e3, 1.2e5 against L / 4 = 64 and L = 256,
-# so the rewrite keeps one frequency, blends one and divides two (as in tests/lm/test_hf.py).
+# so the rewrite keeps one frequency, blends one and divides two (as in
+# tests/models/test_hf_logits.py).
 LLAMA3 = rl.Llama3RopeScaling(8.0, 1.0, 4.0, 256)
 
 

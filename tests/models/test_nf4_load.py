@@ -1,7 +1,5 @@
-"""load_hf(quantize="nf4"): a checkpoint's projections quantized while read, against
+"""from_pretrained(quantize="nf4"): a checkpoint's projections quantized while read, against
 bitsandbytes' codes and transformers' logits; and the host memory streaming takes."""
-
-from __future__ import annotations
 
 import json
 import subprocess
@@ -14,51 +12,68 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 import rudax.kernels as rk
 import rudax.layers as rl
-from examples.lm.hf import load_hf
-from tests.lm.test_hf import BASE, _hf_model, _ours, _rel_err, _theirs
+from rudax.models import from_pretrained
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+V, T = 64, 16
+IDS = np.random.default_rng(0).integers(0, V, size=(2, T))
+BASE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=T,
+    initializer_range=0.3,  # 15x the default: attention depends on position
+)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+
+_logits = nnx.jit(lambda model, ids: model(ids))
 
 
-def _hf_linear(hf_model, i, proj):
-    layer = hf_model.model.layers[i]
-    return getattr(
-        layer.self_attn if proj.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp,
-        proj,
-    )
+def _rel_err(got, want):
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def _our_linear(model, i, proj):
-    names = {
-        "q_proj": ("attn", "q"),
-        "k_proj": ("attn", "k"),
-        "v_proj": ("attn", "v"),
-        "o_proj": ("attn", "out"),
-        "gate_proj": ("mlp", "gate"),
-        "up_proj": ("mlp", "up"),
-        "down_proj": ("mlp", "down"),
-    }
-    part, name = names[proj]
-    return getattr(getattr(model.blocks[i], part), name)
+def _hf_model(kind, seed=0):
+    """A random transformers model with random norms and biases (their init is ones/zeros)."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**BASE))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def _linear(layer, proj):
+    """A decoder layer's projection by name: transformers' and rudax's paths are the same."""
+    return getattr(layer.self_attn if proj in ATTENTION else layer.mlp, proj)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_projections_hold_bitsandbytes_codes_and_logits_match_transformers(tmp_path, kind):
-    hf_model = _hf_model(kind, num_key_value_heads=2).to(torch.bfloat16)
+    hf_model = _hf_model(kind).to(torch.bfloat16)
     hf_model.save_pretrained(tmp_path)
     # fp32 storage of the bf16 checkpoint (exact), so the only difference from transformers'
     # fp32 model is the arithmetic's rounding; bitsandbytes quantizes bf16 weights in fp32.
-    model = load_hf(tmp_path, param_dtype=jnp.float32, dtype=jnp.float32, quantize="nf4")
+    model = from_pretrained(tmp_path, param_dtype=jnp.float32, dtype=jnp.float32, quantize="nf4")
     # transformers' own model of the checkpoint, in fp32 (bf16 -> fp32 is exact).
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     for i in range(BASE["num_hidden_layers"]):
         for proj in PROJECTIONS:
-            ours = _our_linear(model, i, proj)
+            ours = _linear(model.model.layers[i], proj)
             assert isinstance(ours, rl.NF4Linear), (i, proj)
-            weight = _hf_linear(hf_model, i, proj).weight.detach()  # [out, in], bf16
+            assert (ours.bias is not None) == (kind == "qwen2" and proj in ATTENTION[:3])
+            weight = _linear(hf_model.model.layers[i], proj).weight.detach()  # [out, in], bf16
             codes, _ = bnbf.quantize_4bit(
                 weight, blocksize=64, quant_type="nf4", compress_statistics=True
             )
@@ -70,37 +85,15 @@ def test_projections_hold_bitsandbytes_codes_and_logits_match_transformers(tmp_p
             # The dequantized weight goes into transformers' model: its logits are the
             # reference for ours on the quantized base.
             with torch.no_grad():
-                w = np.asarray(rk.nf4_dequantize(q, jnp.float32))
-                _hf_linear(reference, i, proj).weight.copy_(torch.from_numpy(w))
+                w = np.array(rk.nf4_dequantize(q, jnp.float32))  # writable, for torch
+                _linear(reference.model.layers[i], proj).weight.copy_(torch.from_numpy(w))
     # The rest is stored in param_dtype, as read.
     emb = hf_model.model.embed_tokens.weight.detach().float().numpy()
-    np.testing.assert_array_equal(np.asarray(model.embed.embedding[...], np.float32), emb)
-    assert _rel_err(_ours(model), _theirs(reference)) < 2e-5
-
-
-def test_on_tensor_sees_every_tensor_once_as_read(tmp_path):
-    hf_model = _hf_model("llama", num_key_value_heads=2, tie_word_embeddings=False)
-    hf_model.save_pretrained(tmp_path)
-    seen = {}
-    model = load_hf(
-        tmp_path,
-        param_dtype=jnp.bfloat16,
-        quantize="nf4",
-        on_tensor=lambda n, t: seen.setdefault(n, t.copy()),
-    )
-    assert model.blocks[0].mlp.up.weight.dtype == jnp.bfloat16  # the NF4 weight's dtype
-    assert model.embed.embedding.dtype == jnp.bfloat16
-    state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    assert sorted(seen) == sorted(state)
-    for name, tensor in seen.items():
-        np.testing.assert_array_equal(tensor, state[name], err_msg=name)
-
-
-def test_quantize_is_checked(tmp_path):
-    with pytest.raises(
-        ValueError, match=r"quantize must be one of \(None, 'nf4'\), got quantize='int8'"
-    ):
-        load_hf(tmp_path, quantize="int8")
+    np.testing.assert_array_equal(np.asarray(model.model.embed_tokens.embedding[...]), emb)
+    ours = np.asarray(_logits(model, jnp.asarray(IDS, jnp.int32)), np.float64)
+    with torch.no_grad():
+        theirs = reference.eval()(torch.tensor(IDS)).logits.double().numpy()
+    assert _rel_err(ours, theirs) < 2e-5
 
 
 # Peak host memory of a streamed load, in a fresh process. The first load compiles; then the
@@ -116,7 +109,8 @@ _MEASURE = textwrap.dedent(
     import jax, jax.numpy as jnp
     from flax import nnx
     import rudax.layers as rl
-    from examples.lm.hf import load_hf
+    from rudax.models import from_pretrained
+    from rudax.models._safetensors import SafetensorsFile
 
     def status(field):
         for line in open("/proc/self/status"):
@@ -127,7 +121,7 @@ _MEASURE = textwrap.dedent(
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
-    def measure(**kw):
+    def measure():
         give_back()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -141,40 +135,43 @@ _MEASURE = textwrap.dedent(
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-        model = load_hf(directory, param_dtype=jnp.bfloat16, quantize="nf4", **kw)
+        model = from_pretrained(directory, param_dtype=jnp.bfloat16, quantize="nf4")
         done.set()
         sampler.join()
         peak[0] = max(peak[0], status("RssAnon"))
         return model, peak[0] - anon, status("VmHWM") - rss
 
     directory = sys.argv[1]
-    model = load_hf(directory, param_dtype=jnp.bfloat16, quantize="nf4")  # compiles
+    model = from_pretrained(directory, param_dtype=jnp.bfloat16, quantize="nf4")  # compiles
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     quantized_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, rl.Quantized)))
     del model
     model, anon, rss = measure()
     del model
-    kept = []
-    model, control, _ = measure(on_tensor=lambda name, t: kept.append(t.copy()))
+    # The control: every tensor read is also kept (a copy, as a non-streamed load holds).
+    kept, read = [], SafetensorsFile.get_tensor
+    SafetensorsFile.get_tensor = lambda self, name: kept.append(read(self, name).copy()) or kept[-1]
+    model, control, _ = measure()
     print(json.dumps({
         "model_bytes": model_bytes,
         "quantized_bytes": quantized_bytes,
         "anon_peak_over_start": anon,
         "rss_peak_over_start": rss,
         "control_anon_peak_over_start": control,
+        "control_tensors": len(kept),
     }))
     """
 )
 
 
 def test_streamed_nf4_load_stays_within_the_model_plus_twice_the_largest_tensor(tmp_path, capsys):
-    """The streamed load's peak host memory, against the issue's bound and a control.
+    """The streamed load's peak host memory, against the bound and a control.
 
     The bound: the finished model plus twice the largest tensor (here the untied head, which
-    is also transposed: the tensor as read and its transposed device copy). The peak is the
-    kernel's own high-water mark of the resident set (VmHWM after clear_refs), which no
-    sampling can miss, and the sampled peak of anonymous memory. The control is the same load
-    keeping a copy of every tensor read: more than the bound by construction.
+    is also transposed: the tensor as read and its device copy). The peak is the kernel's
+    own high-water mark of the resident set (VmHWM after clear_refs), which no sampling can
+    miss, and the sampled peak of anonymous memory. The control is the same load keeping a
+    copy of every tensor read: more than the bound by construction.
     """
     from benchmarks.random_llama import llama_config, write_random_llama
 
@@ -200,6 +197,7 @@ def test_streamed_nf4_load_stays_within_the_model_plus_twice_the_largest_tensor(
             f"largest tensor) {bound / 2**20:.1f} MiB; control "
             f"{m['control_anon_peak_over_start'] / 2**20:.1f} MiB"
         )
+    assert m["control_tensors"] == 2 + 9 * config.num_hidden_layers + 1  # every one, once
     assert m["rss_peak_over_start"] <= bound, (m, info)
     assert m["anon_peak_over_start"] <= bound, (m, info)
     assert m["control_anon_peak_over_start"] > bound, (m, info)  # the measure sees copies

@@ -1,15 +1,15 @@
-"""LoRA on a Hugging Face Llama, rudax against transformers + peft (CPU, fp32).
+"""LoRA on a Hugging Face Llama read by from_pretrained, rudax against transformers + peft (CPU).
 
 Tiny random ``LlamaForCausalLM`` checkpoints are made here with transformers (nothing is
-downloaded) and loaded into the GPT by ``examples.lm.hf.load_hf``; ``hf_module_name`` gives
-``rudax.layers.apply_lora`` and the PEFT adapter files transformers' module names. In both
-directions: an adapter trained in rudax and written by ``rudax.layers.save_adapter`` loads in
+downloaded) and read by ``rudax.models.from_pretrained``, whose module paths are transformers'
+names: ``apply_lora``, ``save_adapter``, ``load_adapter`` and ``merge_lora`` need no ``names=``.
+In both directions: an adapter trained in rudax and written by ``save_adapter`` loads in
 ``peft.PeftModel.from_pretrained`` with rudax's logits, and one that peft initialised and saved
-loads into a bare rudax model with peft's. ``merge_lora`` equals peft's ``merge_and_unload``,
-LoRA on ``q_proj`` alone changes q's output only, the FSDP model computes the one-device loss
-and adapter gradients (and peft's, in float64), and training the adapters alone leaves every
-other parameter bit for bit as it was. Logits agree to max |difference| / max |logit| <= 1e-5;
-each assert gives what was measured.
+loads into a bare rudax model with peft's. ``merge_lora`` + ``save_pretrained`` equals peft's
+``merge_and_unload``, LoRA on ``q_proj`` alone changes q's output only, the FSDP model computes
+the one-device loss and adapter gradients (and peft's, in float64), and training the adapters
+alone leaves every other parameter bit for bit as it was. Logits agree to max |difference| /
+max |logit| <= 1e-5; each assert gives what was measured.
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import peft
 import pytest
-import torch  # the reference extra: required, never skipped (the tests run in CI)
+import torch
 import transformers
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -33,12 +33,23 @@ from peft.tuners.lora import LoraLayer
 import rudax.layers as rl
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.lm.hf import hf_module_name, load_hf, save_hf
-from examples.lm.model import GPT, GPTConfig, loss_sum, shard
-from tests.lm.test_hf import BASE, T, V  # the same tiny Llama: two layers of width 32
+from rudax.models import LlamaForCausalLM, causal_lm_loss_sum, from_pretrained, save_pretrained
+from rudax.models import shard as shard_model
 
+V, T = 64, 16
+# Two layers of width 32; 15x transformers' init std, so attention depends on position.
+BASE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=T,
+    initializer_range=0.3,
+)
 IDS = np.random.default_rng(0).integers(0, V, size=(2, T))
-BATCH = np.random.default_rng(1).integers(0, V, size=(8, T + 1), dtype=np.int32)
+_ROWS = np.random.default_rng(1).integers(0, V, size=(8, T + 1), dtype=np.int32)
+BATCH = {"tokens": _ROWS[:, :-1], "labels": _ROWS[:, 1:]}
 KINDS = {
     "gqa-untied": dict(num_key_value_heads=2, tie_word_embeddings=False),
     "mqa-tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
@@ -54,7 +65,7 @@ def _rel_err(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-_logits = nnx.jit(lambda model, ids: model(ids)[0])
+_logits = nnx.jit(lambda model, ids: model(ids))
 
 
 def _ours(model):
@@ -76,12 +87,14 @@ def _peft_adapted(peft_model):
     return {n for n, m in peft_model.base_model.model.named_modules() if isinstance(m, LoraLayer)}
 
 
+def _name(path):
+    return ".".join(map(str, path))
+
+
 def _loras(model):
-    """{hf name: LoRALinear} of a rudax GPT."""
+    """{module path, transformers' name: LoRALinear} of a rudax model."""
     return {
-        hf_module_name(path): node
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, rl.LoRALinear)
+        _name(path): node for path, node in nnx.iter_graph(model) if isinstance(node, rl.LoRALinear)
     }
 
 
@@ -121,7 +134,7 @@ def _train_adapters(model, steps=3):
 
     @jax.jit
     def step(adapters, rest, opt_state):
-        loss = lambda a: loss_sum(nnx.merge(graph, a, rest), BATCH)[0]
+        loss = lambda a: causal_lm_loss_sum(nnx.merge(graph, a, rest), BATCH)[0]
         updates, opt_state = tx.update(jax.grad(loss)(adapters), opt_state, adapters)
         return optax.apply_updates(adapters, updates), opt_state
 
@@ -135,8 +148,8 @@ def _train_adapters(model, steps=3):
 class Trained:
     directory: Path  # the base checkpoint
     targets: list[str]
-    model: GPT  # load_hf's, LoRA on targets, trained
-    names: list[str]  # the adapted HF module names
+    model: LlamaForCausalLM  # from_pretrained's, LoRA on targets, trained
+    names: list[str]  # the adapted module names
     before: dict  # _flat(model) after apply_lora, before training
     adapter: Path  # save_adapter's directory
 
@@ -147,20 +160,16 @@ class Trained:
     ids=["gqa-untied-qv", "mqa-tied-all7"],
 )
 def trained(request, bases, tmp_path_factory):
-    """A load_hf model with LoRA on targets, trained 3 steps here, saved by save_adapter."""
+    """A from_pretrained model with LoRA on targets, trained 3 steps here, save_adapter'd."""
     kind, targets = request.param
     # Module fixtures run outside the suite's per-test strict promotion: enter it here.
     with jax.numpy_dtype_promotion("strict"):
-        model = load_hf(bases[kind])
-        names = rl.apply_lora(
-            model, targets, rank=RANK, alpha=ALPHA, names=hf_module_name, rngs=nnx.Rngs(1)
-        )
+        model = from_pretrained(bases[kind])
+        names = rl.apply_lora(model, targets, rank=RANK, alpha=ALPHA, rngs=nnx.Rngs(1))
         before = _flat(model)
         _train_adapters(model)
         adapter = tmp_path_factory.mktemp("adapter")
-        saved = rl.save_adapter(
-            model, adapter, base_model_name_or_path=str(bases[kind]), names=hf_module_name
-        )
+        saved = rl.save_adapter(model, adapter, base_model_name_or_path=str(bases[kind]))
     assert names == saved == _expected_names(targets)
     return Trained(bases[kind], targets, model, names, before, adapter)
 
@@ -204,13 +213,13 @@ def test_training_the_adapters_alone_leaves_every_other_parameter_bit_identical(
             assert value.dtype == old.dtype and np.array_equal(value, old), path
 
 
-def test_merge_lora_equals_peft_merge_and_unload(trained, tmp_path):
+def test_merge_lora_and_save_pretrained_equal_peft_merge_and_unload(trained, tmp_path):
     peft_model = peft.PeftModel.from_pretrained(_hf(trained.directory), trained.adapter)
     theirs = peft_model.merge_and_unload().eval()
     merged = nnx.clone(trained.model)
-    assert rl.merge_lora(merged, names=hf_module_name) == trained.names
+    assert rl.merge_lora(merged) == trained.names
     assert not _loras(merged) and sorted(_loras(trained.model)) == trained.names
-    save_hf(merged, tmp_path)
+    save_pretrained(merged, tmp_path)
     reloaded = _hf(tmp_path)
     ours_sd, theirs_sd = reloaded.state_dict(), theirs.state_dict()
     assert ours_sd.keys() == theirs_sd.keys()
@@ -264,8 +273,8 @@ def test_a_peft_initialised_adapter_loads_into_a_bare_rudax_model(bases, tmp_pat
     # lora_dropout, off in eval mode on both sides.
     directory = bases["gqa-untied"]
     peft_model = _peft_initialised(directory, SEVEN, tmp_path, dropout=0.1)
-    model = load_hf(directory)
-    names = rl.load_adapter(model, tmp_path, names=hf_module_name)
+    model = from_pretrained(directory)
+    names = rl.load_adapter(model, tmp_path)
     assert names == sorted(_peft_adapted(peft_model)) == _expected_names(SEVEN)
     for lora in _loras(model).values():
         assert (lora.rank, lora.scale, lora.dropout.rate) == (RANK, ALPHA / RANK, 0.1)
@@ -281,8 +290,8 @@ def test_a_peft_initialised_adapter_loads_into_a_bare_rudax_model(bases, tmp_pat
 def test_lora_on_q_proj_alone_changes_the_q_projection_only(bases, tmp_path):
     directory = bases["gqa-untied"]
     peft_model = _peft_initialised(directory, ["q_proj"], tmp_path)
-    model, bare = load_hf(directory), load_hf(directory)
-    assert rl.load_adapter(model, tmp_path, names=hf_module_name) == _expected_names(["q_proj"])
+    model, bare = from_pretrained(directory), from_pretrained(directory)
+    assert rl.load_adapter(model, tmp_path) == _expected_names(["q_proj"])
     # Every projection's input and output in peft's model, layer by layer.
     seen = {}
     hooks = [
@@ -298,27 +307,19 @@ def test_lora_on_q_proj_alone_changes_the_q_projection_only(bases, tmp_path):
     assert _rel_err(_ours(model), want) <= TOL  # measured 1.4e-6
     project = nnx.jit(lambda layer, x: layer(x))
     for i in range(2):
-        attn, bare_attn = model.blocks[i].attn, bare.blocks[i].attn
-        for proj, hf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
-            x, out = seen[f"model.layers.{i}.self_attn.{hf}"]
+        attn, bare_attn = model.model.layers[i].self_attn, bare.model.layers[i].self_attn
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            x, out = seen[f"model.layers.{i}.self_attn.{proj}"]
             x = jnp.asarray(x.numpy())
             got = np.asarray(project(getattr(attn, proj), x), np.float64)
             plain = np.asarray(project(getattr(bare_attn, proj), x), np.float64)
             # One matmul of 32 (+ rank 4) fp32 terms, not 2 layers of them: measured 9e-8.
             assert _rel_err(got, out.double().numpy()) <= 1e-6, (i, proj)
-            if proj == "q":
+            if proj == "q_proj":
                 assert _rel_err(plain, got) > 1e-2  # the adapter moves q
             else:  # the same layer as the bare model's: bit for bit
                 assert type(getattr(attn, proj)) is rl.Linear
                 np.testing.assert_array_equal(got, plain)
-
-
-def test_q_proj_names_nothing_in_the_fused_layout():
-    """The trainer's fused qkv has no HF name, so q_proj cannot silently adapt k and v too."""
-    config = GPTConfig(vocab_size=V, seq_len=T, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match=r"targets=\['q_proj'\] matches no module.*o_proj"):
-        rl.apply_lora(model, ["q_proj"], rank=2, alpha=4.0, names=hf_module_name, rngs=nnx.Rngs(0))
 
 
 # --------------------------------------------------------------------------------- FSDP
@@ -326,14 +327,14 @@ def test_q_proj_names_nothing_in_the_fused_layout():
 N = 8
 
 
-def _peft_gradients(directory, adapter, batch):
+def _peft_gradients(directory, adapter, rows):
     """peft's float64 gradients of the summed cross entropy: {name: (dA [in, r], dB [r, out])}."""
     peft_model = peft.PeftModel.from_pretrained(_hf(directory), adapter, is_trainable=True)
     peft_model = peft_model.double()
-    batch = torch.tensor(batch.astype(np.int64))
-    logits = peft_model(batch[:, :-1]).logits
+    rows = torch.tensor(rows.astype(np.int64))
+    logits = peft_model(rows[:, :-1]).logits
     torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"
+        logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum"
     ).backward()
     return {
         name: (m.lora_A["default"].weight.grad.numpy().T, m.lora_B["default"].weight.grad.numpy().T)
@@ -344,23 +345,23 @@ def _peft_gradients(directory, adapter, batch):
 
 @pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices")
 def test_the_sharded_lora_model_gives_the_one_device_loss_and_adapter_gradients(bases, tmp_path):
-    # An Explicit mesh, jax.make_mesh's; tests/lm/test_model.py runs an adapted GPT on an Auto one.
+    # An Explicit mesh, jax.make_mesh's; tests/models/test_shard.py runs an Auto one.
     mesh = jax.make_mesh((N,), ("fsdp",), devices=jax.devices()[:N])
-    model = load_hf(bases["gqa-untied"])
-    rl.apply_lora(model, SEVEN, rank=RANK, alpha=ALPHA, names=hf_module_name, rngs=nnx.Rngs(1))
+    model = from_pretrained(bases["gqa-untied"])
+    rl.apply_lora(model, SEVEN, rank=RANK, alpha=ALPHA, rngs=nnx.Rngs(1))
     g = np.random.default_rng(2)
     for lora in _loras(model).values():  # B as after training: A's gradient is non-zero
         lora.lora_b[...] = jnp.asarray(0.3 * g.standard_normal(lora.lora_b.shape), jnp.float32)
 
     ref_graph, ref_adapters, ref_rest = nnx.split(model, rl.LoRAParam, ...)
-    ref = lambda a: loss_sum(nnx.merge(ref_graph, a, ref_rest), BATCH)[0]
+    ref = lambda a: causal_lm_loss_sum(nnx.merge(ref_graph, a, ref_rest), BATCH)[0]
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(ref))(ref_adapters)
 
-    sharded = shard(model, rs.ShardingContext(mesh, "fsdp"))
+    sharded = shard_model(model, rs.ShardingContext(mesh, "fsdp"))
     graph, adapters, rest = nnx.split(sharded, rl.LoRAParam, ...)
     assert len(jax.tree.leaves(adapters)) == len(jax.tree.leaves(ref_adapters)) == 2 * 14
-    # Each rank's loss_sum is of its own row; their sum is the loss of the whole batch.
-    local = lambda a, r, b: jax.lax.psum(loss_sum(nnx.merge(graph, a, r), b)[0], "fsdp")
+    # Each rank's loss is of its own row; their sum is the loss of the whole batch.
+    local = lambda a, r, b: jax.lax.psum(causal_lm_loss_sum(nnx.merge(graph, a, r), b)[0], "fsdp")
     total = jax.shard_map(local, mesh=mesh, in_specs=P("fsdp"), out_specs=P())
     placed = jax.device_put(BATCH, NamedSharding(mesh, P("fsdp")))
     loss, grads = jax.jit(jax.value_and_grad(total))(adapters, rest, placed)
@@ -376,10 +377,10 @@ def test_the_sharded_lora_model_gives_the_one_device_loss_and_adapter_gradients(
     want = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(ref_grads)}
     assert got.keys() == want.keys()
     # Both against peft's float64 gradients too: the one-device ones are not the truth either.
-    rl.save_adapter(model, tmp_path, base_model_name_or_path=None, names=hf_module_name)
-    exact = _peft_gradients(bases["gqa-untied"], tmp_path, BATCH)
+    rl.save_adapter(model, tmp_path, base_model_name_or_path=None)
+    exact = _peft_gradients(bases["gqa-untied"], tmp_path, _ROWS)
     for path, value in want.items():
-        truth = exact[hf_module_name(path[:-1])][path[-1] == "lora_b"]
+        truth = exact[_name(path[:-1])][path[-1] == "lora_b"]
         assert np.abs(truth).max() > 0, path
         # fp32 sums over 128 tokens in two orders, per rank then reduce-scattered or whole:
         # measured at most 5.2e-6 apart, and 6.5e-6 (one device), 3.8e-6 (FSDP) from float64.
