@@ -1,4 +1,4 @@
-"""The blocked causal attention the GPT ran before ``rudax.kernels.flash_attention``: a baseline.
+"""The blocked causal attention examples/lm had before ``rudax.kernels.flash_attention``.
 
 Benchmark-only code, not the library: the XLA attention of ``examples/lm`` until the layer
 moved to ``rudax.layers.Attention`` over the flash-attention kernel, kept unchanged so that
@@ -43,7 +43,7 @@ def causal_attention(
     to keys ``[0, e)``, the causal mask applied inside the block. The keys past ``e`` would
     only get probability 0 (``exp(-inf)``), so each row's softmax is the same function as
     over the full masked row, and the ``~T^2/2`` scores above the diagonal's blocks are never
-    computed. On a 2-core CPU (T = 256, fp32, the default ``GPTConfig``'s 4 heads of 64,
+    computed. On a 2-core CPU (T = 256, fp32, the trainer's default model's 4 heads of 64,
     batch 16) blocks of 64 rows made attention's forward and backward 1.4x faster than the
     full ``T x T`` form (62 -> 43 ms; blocks of 32: 1.25x, of 128: 1.3x) and a whole training
     step 3% cheaper (2.6-6% over four paired runs). The full form had cost the same as

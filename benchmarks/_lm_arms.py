@@ -5,13 +5,17 @@ arm has the same face: calling it runs one training step, ``warmup(n)`` runs the
 steps and returns the first one's time (compilation included), the rest's time and the first
 step's loss, and ``loss`` is the last step's loss.
 
-* ``JaxArm``: a jitted step and its state (the rudax arm, ``bench.rudax_arm``; the flax+optax
-  arm, ``_flax_gpt.flax_arm``). A call dispatches the step asynchronously, as training does.
-* ``TorchArm``: ``benchmarks/_torch_gpt.py`` in a child process, driven over its JSON-lines
+* ``JaxArm``: a jitted step and its state (the rudax arm, ``lm_trainer.rudax_arm``; the
+  flax+optax arm, ``_flax_llama.flax_arm``). A call dispatches the step asynchronously, as
+  training does.
+* ``TorchArm``: ``benchmarks/_torch_llama.py`` in a child process, driven over its JSON-lines
   protocol (described in that file's docstring); a call sends "run 1" and waits for the
   answer, so the parent's clock times the torch step like the others. ``torch_spec`` is what
   the child builds, ``torch_python`` the interpreter that runs it: rudax does not depend on
   torch, any Python with torch will do.
+
+``check_reference_config`` refuses, before either reference is built, what the references do
+not implement.
 """
 
 from __future__ import annotations
@@ -32,9 +36,43 @@ from typing import Any
 
 import jax
 
-from examples.lm.model import GPTConfig
+import rudax.models as rm
+from examples.lm.spec import ModelSpec
 
-TORCH_REF = Path(__file__).with_name("_torch_gpt.py")
+TORCH_REF = Path(__file__).with_name("_torch_llama.py")
+# The LlamaConfig fields the references leave out, and the value that switches each off: the
+# trainer's flags build a dense Llama without them (an --init-from checkpoint may not).
+UNSUPPORTED = {
+    "qkv_bias": False,
+    "o_bias": False,
+    "mlp_bias": False,
+    "sliding_window": None,
+    "rope_scaling": None,
+    "num_local_experts": None,
+}
+
+
+def check_reference_config(config: rm.LlamaConfig) -> None:
+    """Raises ValueError naming the fields of ``config`` that the references do not implement.
+
+    The references are a dense Llama: grouped-query attention with RoPE, SwiGLU, RMSNorm, a
+    tied or untied head; no biases, sliding window, Llama 3 RoPE scaling or experts.
+
+    Example:
+      >>> from rudax.models import LlamaConfig
+      >>> check_reference_config(LlamaConfig.tiny(64, num_key_value_heads=2))
+      >>> check_reference_config(LlamaConfig.tiny(64, qkv_bias=True))
+      Traceback (most recent call last):
+      ...
+      ValueError: the benchmark's references implement a dense Llama without biases, ...
+    """
+    given = {k: getattr(config, k) for k, off in UNSUPPORTED.items() if getattr(config, k) != off}
+    if given:
+        raise ValueError(
+            "the benchmark's references implement a dense Llama without biases, sliding "
+            f"window, RoPE scaling or experts; the model has {given}: set them to "
+            f"{ {k: UNSUPPORTED[k] for k in given} }"
+        )
 
 
 @dataclasses.dataclass
@@ -67,7 +105,7 @@ class JaxArm:
 
 
 class TorchArm:
-    """``_torch_gpt.py`` in a child process; calling it runs one step there and waits for it."""
+    """``_torch_llama.py`` in a child process; calling it runs one step there and waits for it."""
 
     def __init__(
         self, python: str, spec: dict, workdir: Path, mode: str, *, env: dict | None = None
@@ -133,19 +171,24 @@ class TorchArm:
         self.stderr.close()
 
 
-def torch_spec(
-    args: argparse.Namespace, config: GPTConfig, compute_dtype: str, *, threads: int, workdir: Path
-) -> dict:
-    """What ``_torch_gpt.py`` builds: the model's shape, the trainer's hyperparameters, threads.
+def torch_spec(args: argparse.Namespace, spec: ModelSpec, *, threads: int, workdir: Path) -> dict:
+    """What ``_torch_llama.py`` builds: the model's shape, the trainer's hyperparameters, threads.
 
-    The weights and batch go to ``spec["arrays"]``, an ``.npz`` the caller writes.
+    The compute dtype is the spec's. The weights and batch go to the returned ``"arrays"``
+    path, an ``.npz`` the caller writes (``_flax_llama.flat_params`` and ``batch``).
     """
-    shape = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_hidden")
+    config = spec.config
+    check_reference_config(config)
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    shape += ("num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
     hparams = ("lr", "warmup", "steps", "min_lr_ratio", "weight_decay", "beta1", "beta2")
     return {
-        "config": {k: getattr(config, k) for k in (*shape, "rope_theta", "norm_eps")},
+        "config": {
+            **{k: getattr(config, k) for k in (*shape, "rope_theta", "rms_norm_eps")},
+            "seq_len": spec.seq_len,
+        },
         "hparams": {k: getattr(args, k) for k in (*hparams, "eps", "clip")},
-        "compute_dtype": compute_dtype,
+        "compute_dtype": spec.dtype.name,
         "threads": threads,
         "arrays": str(workdir / "arrays.npz"),
     }

@@ -5,7 +5,7 @@ Three modes, each printing a table of paired ratios (arms alternated round by ro
 
 * time (default): forward and forward + backward of causal self-attention per shape, the
   kernel (``impl="auto"``: the XLA path on a CPU, the Pallas kernels on a GPU) against the
-  blocked XLA attention the GPT ran before (``benchmarks/_blocked_attention.py``, O(T^2)
+  blocked XLA attention the trainer's model ran before (``benchmarks/_blocked_attention.py``, O(T^2)
   scores) and ``jax.nn.dot_product_attention(implementation="xla")``; with each arm's XLA
   temporary bytes.
 * ``--memory``: XLA's temporary bytes (``memory_analysis``) and compile seconds of a forward
@@ -14,12 +14,14 @@ Three modes, each printing a table of paired ratios (arms alternated round by ro
   (``jax.nn.dot_product_attention(implementation="cudnn")``) at batch 2, 32 heads, T = 4096,
   head_dim 128, causal, bf16; and a packed row (``--segments`` examples per row) against
   cuDNN with the equivalent explicit mask.
-* ``--trainer``: the LM trainer's default GPT, one forward + backward of its loss, with the
-  kernel against the same model over the blocked attention (paired).
+* ``--trainer``: the LM trainer's default model (``examples.lm.step.model_spec`` of
+  ``examples.lm.train``'s default flags, a ``rudax.models.LlamaForCausalLM``), one forward +
+  backward of its loss, with the kernel against the same model over the blocked attention
+  (paired).
 
     python -m benchmarks.attention                     # CPU: the time table
     python -m benchmarks.attention --memory            # CPU: O(T) vs O(T^2)
-    python -m benchmarks.attention --trainer           # CPU: the GPT's step, before and after
+    python -m benchmarks.attention --trainer           # CPU: the trainer's step, before and after
     python -m benchmarks.attention --gpu --json out.json   # GPU (benchmarks/gpu_check.sh)
 """
 
@@ -198,37 +200,41 @@ def gpu_table(b, t, h, k, segments, rounds, iters) -> list[dict[str, Any]]:
 
 
 def trainer_table(rounds: int, iters: int) -> list[dict[str, Any]]:
-    """The default GPT's loss forward + backward, with the kernel and with blocked attention."""
+    """The trainer's default model's loss forward + backward, with the kernel and with blocked
+    attention."""
     from flax import nnx
 
-    import rudax.layers._attention as layer_attention
-    from examples.lm.model import GPT, GPTConfig, loss_sum
+    import rudax.models._llama_layers as llama_layers
+    from examples.lm.config import build_parser
+    from examples.lm.spec import loss_sum
+    from examples.lm.step import model_spec
 
-    config = GPTConfig()
-    model = GPT(config, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    tokens = jax.random.randint(jax.random.key(1), (16, config.seq_len + 1), 0, config.vocab_size)
+    args = build_parser().parse_args([])  # python -m examples.lm.train's defaults
+    spec = model_spec(args)
+    graphdef, params, rest = nnx.split(spec.create(0), nnx.Param, ...)
+    shape = (args.batch_size, spec.seq_len + 1)
+    tokens = jax.random.randint(jax.random.key(1), shape, 0, spec.config.vocab_size)
 
     def grad_step():
         def f(params, tokens):
-            return loss_sum(nnx.merge(graphdef, params), tokens)
+            return loss_sum(nnx.merge(graphdef, params, rest), tokens, chunk=spec.loss_chunk)
 
         return jax.jit(jax.value_and_grad(f, has_aux=True))
 
-    kernel = layer_attention.rk.flash_attention
+    kernel = llama_layers.rk.flash_attention
 
-    def blocked(q, k, v, *, causal, segment_ids=None, **_):
-        assert causal
+    def blocked(q, k, v, *, causal, segment_ids=None, window=None, **_):
+        assert causal and window is None  # the trainer's model: causal, no sliding window
         return blocked_attention(q, k, v, segment_ids=segment_ids)
 
     steps = {}
     for name, fn in (("flash", kernel), ("blocked", blocked)):
-        layer_attention.rk.flash_attention = fn  # traced now: the step keeps this attention
+        llama_layers.rk.flash_attention = fn  # traced now: the step keeps this attention
         try:
             step = grad_step()
             jax.block_until_ready(step(params, tokens))
         finally:
-            layer_attention.rk.flash_attention = kernel
+            llama_layers.rk.flash_attention = kernel
         steps[name] = step
     times = alternate(
         {n: (lambda s=s: s(params, tokens)) for n, s in steps.items()}, rounds=rounds, iters=iters
@@ -247,7 +253,9 @@ def main(argv=None) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--memory", action="store_true", help="temp bytes and compile time over T")
     mode.add_argument("--gpu", action="store_true", help="Pallas vs cuDNN on a GPU")
-    mode.add_argument("--trainer", action="store_true", help="the GPT's step, before and after")
+    mode.add_argument(
+        "--trainer", action="store_true", help="the trainer's model's step, before and after"
+    )
     p.add_argument("--lengths", default="256,1024,2048", help="T of the time table")
     p.add_argument("--heads", default="4:4,8:2", help="H:G pairs of the time table")
     p.add_argument("--batch", type=int, default=None, help="default: 16 at T=256, 2 above")

@@ -200,7 +200,7 @@ def default_stages() -> list[Stage]:
         ),
         # Does XLA:GPU keep an unrolled loop's remat (XLA:CPU compiles it away)? temp bytes
         # and step time, unrolled and scanned, without remat and with "full", for the
-        # default GPT and one 2x as deep.
+        # default model and one 2x as deep.
         Stage(
             "remat",
             35,

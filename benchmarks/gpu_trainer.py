@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 # The trainer's flags of each preset (on top of its defaults). "gpu": GPT-2 small's shape
-# (124M parameters), bf16 storage and compute, 32 x 1024 tokens per update; "mid" a quarter
-# of it, for checks that start several processes.
+# (width 768, 12 layers of 12 heads, 50304 tokens; a Llama with a SwiGLU MLP of 2048, so 124M
+# parameters), bf16 storage and compute, 32 x 1024 tokens per update; "mid" a quarter of
+# it, for checks that start several processes.
 PRESETS = {
     "gpu": [
         *("--vocab-size=50304", "--seq-len=1024", "--d-model=768", "--n-layers=12"),
@@ -109,22 +110,22 @@ class _Run:
         import jax.numpy as jnp
         from flax import nnx
 
+        import rudax.models as rm
         import rudax.optim as ro
-        from examples.lm.model import flops_per_token
-        from examples.lm.step import make_optimizer, make_steps, model_config
-        from examples.lm.train import create_model
+        from examples.lm.step import make_optimizer, make_steps, model_spec
 
-        config = model_config(trainer)
-        model = create_model(config, trainer.seed)
+        spec = model_spec(trainer)
+        config = spec.config
+        model = spec.create(trainer.seed)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         tx = make_optimizer(trainer)
-        self.steps = make_steps(graphdef, rest, tx, mesh=None)
+        self.steps = make_steps(graphdef, rest, tx, mesh=None, loss_chunk=spec.loss_chunk)
         acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
         self.state = (params, tx.init(params), acc)
         shape = (trainer.batch_size, trainer.seq_len + 1)
         self.batch = jax.random.randint(jax.random.key(1), shape, 0, config.vocab_size)
         self.parameters = sum(x.size for x in jax.tree.leaves(params))
-        self.flops_per_token = flops_per_token(config)
+        self.flops_per_token = rm.flops_per_token(config, spec.seq_len)
         self.first_step_s = math.nan
         self.losses: list[Any] = []  # every update's loss, a device scalar
 

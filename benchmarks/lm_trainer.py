@@ -1,26 +1,28 @@
-"""Paired A/B benchmark: the rudax trainer's step against flax+optax and PyTorch, same GPT.
+"""Paired A/B benchmark: the rudax trainer's step against flax+optax and PyTorch, same Llama.
 
     python -m benchmarks.lm_trainer                                   # the trainer's default model
     python -m benchmarks.lm_trainer --config tiny --rounds 3          # a quick look
     python -m benchmarks.lm_trainer --torch-python .venv/bin/python --json bench.json
 
 Every arm times full training steps (forward, backward, gradient clipping, AdamW update) of
-the same dense GPT (``examples/lm/model.py``), from the same initial weights, on the same
-batch of ``batch_size x seq_len`` random token ids (the data pipeline is not timed):
+the same model, the trainer's ``rudax.models.LlamaForCausalLM`` (``examples/lm/spec.py``: tied
+embeddings, separate q/k/v projections, SwiGLU, RMSNorm, RoPE), from the same initial
+weights, on the same batch of ``batch_size x seq_len`` random token ids (the data pipeline is
+not timed):
 
 * ``rudax``: the trainer's own step, ``examples.lm.step``, with ``--optimizer adamw``:
   ``micro`` (loss sum, gradient, token-weighted ``GradientAccumulator.add``) then ``apply``
-  (``pop``, then ``fp32_master(chain(clip_by_global_norm, adamw))``, weight decay on
-  matrices and the embedding), parameters stored in ``--param-dtype`` (the trainer's
+  (``pop``, then ``fp32_master(chain(clip_by_global_norm, adamw))``, weight decay on the
+  matrices, not the norms or the embedding), parameters stored in ``--param-dtype`` (the trainer's
   default, bf16) with fp32 masters, compute in ``--compute-dtype`` (the trainer's default:
   fp32), the other hyperparameters the trainer's defaults.
 * ``flax+optax``: the same model in plain ``nnx.Linear``/``nnx.Embed``/``nnx.RMSNorm``
-  (``RefGPT`` in ``benchmarks/_flax_gpt.py``), mean cross entropy,
+  (``RefLlama`` in ``benchmarks/_flax_llama.py``), mean cross entropy over the full logits,
   ``optax.clip_by_global_norm`` + ``optax.adamw`` (same decay mask and schedule), one
   ``jax.jit`` step with the parameters and optimizer state donated. Its parameters are fp32:
   plain optax has no master weights, so fp32 storage *is* its fp32 master; the compute dtype
   is the same.
-* ``torch`` and ``torch.compile``: ``benchmarks/_torch_gpt.py`` in child processes (eager, and
+* ``torch`` and ``torch.compile``: ``benchmarks/_torch_llama.py`` in child processes (eager, and
   the loss under ``torch.compile``), fp32 parameters, ``AdamW(fused=True)``, run by
   ``--torch-python`` (default: this interpreter if it has torch, else those arms are skipped
   with the reason) and driven by ``TorchArm`` (``benchmarks/_lm_arms.py``). rudax does not
@@ -42,7 +44,7 @@ stored weights, not a different update: at fp32 storage the trajectories agree).
 Reported: tokens/s per round per arm, each arm's mean and sample standard deviation, and for
 each reference the per-round paired ratio of rudax's tokens/s to its own: median [min, max]
 and the geometric mean with a 95% Student t-interval on the log ratios (rounds are the
-samples; ``benchmarks/_stats.py``). MFU is ``tokens/s * flops_per_token(config)`` over the
+samples; ``benchmarks/_stats.py``). MFU is ``tokens/s * rudax.models.flops_per_token`` over the
 machine's peak, measured in the same run as the fastest of a few fp32 2048x2048 matmuls in
 jax, numpy and torch (before and after the rounds: the best of both, so a busy moment does not
 lower the peak). The environment's ``XLA_FLAGS`` are recorded and printed with the table: XLA's
@@ -55,7 +57,7 @@ the 2-core VM this was a fifth of a rudax step and a tenth of a torch step.
 
 This file is the harness: presets, the rudax arm, the peak, the command line and the report.
 The arms' machinery lives in ``benchmarks/_lm_arms.py`` (``JaxArm``, ``TorchArm``), the
-references in ``benchmarks/_flax_gpt.py`` and ``benchmarks/_torch_gpt.py``.
+references in ``benchmarks/_flax_llama.py`` and ``benchmarks/_torch_llama.py``.
 """
 
 from __future__ import annotations
@@ -79,15 +81,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import rudax.models as rm
 import rudax.optim as ro
-from benchmarks._flax_gpt import flat_params, flax_arm
+from benchmarks._flax_llama import flat_params, flax_arm
 from benchmarks._lm_arms import JaxArm, TorchArm, torch_python, torch_spec
 from benchmarks._stats import ratio_interval
 from benchmarks._timing import alternate, ratio_summary
 from examples.lm.config import build_parser
-from examples.lm.model import GPT, flops_per_token
 from examples.lm.report import format_table
-from examples.lm.step import make_optimizer, make_steps, model_config
+from examples.lm.spec import ModelSpec
+from examples.lm.step import make_optimizer, make_steps, model_spec
 from rudax.run import MALLOC_ENV, retain_freed_memory
 
 ARMS = ("rudax", "flax+optax", "torch", "torch.compile")
@@ -132,11 +135,13 @@ def trainer_args(preset: str, compute_dtype: str, param_dtype: str) -> argparse.
 
 
 # ----------------------------------------------------------------------------- arms
-def rudax_arm(args: argparse.Namespace, model: GPT, batch: jax.Array) -> JaxArm:
+def rudax_arm(
+    args: argparse.Namespace, spec: ModelSpec, model: rm.LlamaForCausalLM, batch: jax.Array
+) -> JaxArm:
     """The trainer's step: ``examples.lm.step``'s ``micro`` then ``apply``, one window."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = make_optimizer(args)
-    steps = make_steps(graphdef, rest, tx, mesh=None)
+    steps = make_steps(graphdef, rest, tx, mesh=None, loss_chunk=spec.loss_chunk)
     acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
 
     def step(state):
@@ -269,26 +274,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
     load_before = list(os.getloadavg())
     threads = os.cpu_count() or 1
     args = trainer_args(opts.config, opts.compute_dtype, opts.param_dtype)
-    config = model_config(args)
-    tokens_per_step = args.batch_size * config.seq_len
+    spec = model_spec(args)
+    config = spec.config
+    tokens_per_step = args.batch_size * spec.seq_len
     rng = np.random.default_rng(opts.seed)
-    batch_np = rng.integers(0, config.vocab_size, (args.batch_size, config.seq_len + 1), np.int32)
+    batch_np = rng.integers(0, config.vocab_size, (args.batch_size, spec.seq_len + 1), np.int32)
     batch = jnp.asarray(batch_np)
-    model = GPT(config, rngs=nnx.Rngs(opts.seed))
+    model = spec.create(opts.seed)
     arrays = flat_params(model)
 
     python, torch_note = torch_python(opts.torch_python)
     wanted = [a for a in opts.arms if python is not None or not a.startswith("torch")]
     with contextlib.ExitStack() as stack:
-        arms: dict[str, Any] = {"rudax": rudax_arm(args, model, batch)}
+        arms: dict[str, Any] = {"rudax": rudax_arm(args, spec, model, batch)}
         if "flax+optax" in wanted:
-            arms["flax+optax"] = flax_arm(args, config, arrays, batch)
+            arms["flax+optax"] = flax_arm(args, spec, arrays, batch)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        spec = torch_spec(args, config, opts.compute_dtype, threads=threads, workdir=workdir)
-        np.savez(spec["arrays"], batch=batch_np, **arrays)
+        child = torch_spec(args, spec, threads=threads, workdir=workdir)
+        np.savez(child["arrays"], batch=batch_np, **arrays)
         for name, mode in (("torch", "eager"), ("torch.compile", "compile")):
             if name in wanted:
-                arms[name] = TorchArm(python, spec, workdir, mode, env=MALLOC_ENV if kept else None)
+                arms[name] = TorchArm(
+                    python, child, workdir, mode, env=MALLOC_ENV if kept else None
+                )
                 stack.callback(arms[name].close)
 
         peaks = measure_peaks(arms)
@@ -306,14 +314,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     load_after = list(os.getloadavg())
 
     # ------------------------------------------------------------------------- report
-    fpt = flops_per_token(config)
+    fpt = rm.flops_per_token(config, spec.seq_len)
     result: dict[str, Any] = {
         "command": "python -m benchmarks.lm_trainer "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {
             **dataclasses.asdict(config),
             "param_dtype": str(config.param_dtype),
-            "dtype": str(config.dtype),
+            "dtype": str(spec.dtype),
+            "seq_len": spec.seq_len,
             "batch_size": args.batch_size,
         },
         "tokens_per_step": tokens_per_step,
@@ -378,8 +387,10 @@ def report(result: dict) -> str:
     """The printed table of ``main``'s result."""
     c = result["config"]
     lines = [
-        f"model: d_model={c['d_model']} n_layers={c['n_layers']} n_heads={c['n_heads']} "
-        f"vocab={c['vocab_size']} seq_len={c['seq_len']} batch={c['batch_size']} "
+        f"model: Llama hidden={c['hidden_size']} layers={c['num_hidden_layers']} "
+        f"heads={c['num_attention_heads']} (kv {c['num_key_value_heads']}) "
+        f"mlp={c['intermediate_size']} vocab={c['vocab_size']} seq_len={c['seq_len']} "
+        f"batch={c['batch_size']} "
         f"({result['tokens_per_step']} tokens/step, {result['flops_per_token'] / 1e6:.2f} "
         f"MFLOP/token); compute {c['dtype']}; rudax stores {c['param_dtype']} with fp32 masters, "
         "flax+optax and torch store fp32",

@@ -7,9 +7,10 @@ One tiny random ``LlamaForCausalLM`` is made with transformers and saved with
 ``save_pretrained`` (nothing downloaded). Each round runs both arms, each in a fresh child
 process, in alternating order:
 
-* ``rudax``: ``examples.lm.hf.load_hf`` of that directory, ``rudax.layers.apply_lora`` on the
-  same targets with the same rank and alpha, and a ``jax.jit`` step (the chunked
-  ``linear_cross_entropy`` loss, ``jax.grad`` over the adapter parameters only,
+* ``rudax``: ``rudax.models.from_pretrained`` of that directory, ``rudax.layers.apply_lora`` on
+  the same targets with the same rank and alpha (the model's module paths are Hugging Face's
+  names, as peft matches them), and a ``jax.jit`` step (``rudax.models.causal_lm_loss_sum``,
+  the chunked ``linear_cross_entropy`` loss, ``jax.grad`` over the adapter parameters only,
   ``rudax.optim.adamw``) with its buffers donated;
 * ``torch``: ``transformers.AutoModelForCausalLM.from_pretrained`` of the same directory,
   ``peft.get_peft_model`` with the same ``LoraConfig``, the model's own loss
@@ -95,25 +96,19 @@ def _rudax_child(directory: Path, args: argparse.Namespace) -> tuple[float, floa
     from flax import nnx
 
     import rudax.layers as rl
+    import rudax.models as rm
     import rudax.optim as ro
-    from examples.lm.hf import hf_module_name, load_hf
-    from examples.lm.model import loss_sum
 
-    model = load_hf(directory, param_dtype=jnp.float32, dtype=jnp.float32)
-    rl.apply_lora(
-        model,
-        args.targets,
-        rank=args.rank,
-        alpha=args.alpha,
-        names=hf_module_name,
-        rngs=nnx.Rngs(0),
-    )
+    model = rm.from_pretrained(directory, param_dtype=jnp.float32, dtype=jnp.float32)
+    rl.apply_lora(model, args.targets, rank=args.rank, alpha=args.alpha, rngs=nnx.Rngs(0))
     graphdef, adapters, rest = nnx.split(model, rl.LoRAParam, ...)
     tx = ro.adamw(args.lr)
     opt_state = tx.init(adapters)
 
     def mean_loss(adapters, rest, batch):
-        total, metrics = loss_sum(nnx.merge(graphdef, adapters, rest), batch)
+        # every next token counts, as transformers' labels=input_ids
+        batch = {"tokens": batch[:, :-1], "labels": batch[:, 1:]}
+        total, metrics = rm.causal_lm_loss_sum(nnx.merge(graphdef, adapters, rest), batch)
         return total / metrics["tokens"]
 
     def step(adapters, opt_state, rest, batch):

@@ -56,7 +56,7 @@ the embedding and head of a small-vocabulary model stay bf16 and weigh heavily i
 process, the peak anonymous memory of ``from_pretrained(quantize="nf4")`` (the first load, cold:
 the quantizer's compilation included, after JAX's CPU client started, measured alone; the
 second, steady state) against the bound "the NF4 model + twice the largest tensor"
-(tests/lm/test_hf_nf4.py asserts it at 25M parameters).
+(tests/models/test_nf4_load.py asserts it at 25M parameters).
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
-"""Remat and scanned layers: XLA's temporary bytes, step time and compile time of the GPT step.
+"""Remat and scanned layers: XLA's temporary bytes, step time and compile time of the LM step.
 
-    python -m benchmarks.remat                       # policies: the default GPT and a 4x deeper
+    python -m benchmarks.remat                       # policies: the default model and a 4x deeper
     python -m benchmarks.remat --depths 4,16,64      # compile and step time by depth
     python -m benchmarks.remat --rounds 3 --iters 1 --json remat.json
 
-The step is the trainer's gradient step (``loss_sum``'s value and gradient under ``jax.jit``)
-of its default model (``python -m examples.lm.train``'s flags: width 256, 4 blocks, 256
-tokens, 16 sequences, a vocabulary of 8192, bf16 storage, fp32 compute; ``--d-model``,
-``--n-layers``, ``--vocab-size``, ``--seq-len`` and ``--batch-size`` change them).
+The step is the trainer's gradient step (``examples.lm.spec.loss_sum``'s value and gradient
+under ``jax.jit``) of its default model, a ``rudax.models.LlamaForCausalLM``
+(``python -m examples.lm.train``'s flags: width 256, 4 layers, 256 tokens, 16 sequences, a
+vocabulary of 8192, bf16 storage, fp32 compute; ``--d-model``, ``--n-layers``,
+``--vocab-size``, ``--seq-len`` and ``--batch-size`` change them). Every arm of a model holds
+the same weights: one model, converted between the layouts (``ModelSpec.adopt``).
 
 * Policies (the default): for the default model and one ``--deep-factor`` times as deep,
-  each layout (``unrolled``: a Python loop of blocks; ``scanned``: ``--scan-layers``, one
-  ``lax.scan``) and each policy of ``rudax.layers.REMAT_POLICIES``, the step is compiled once
-  and ``compiled.memory_analysis()`` read (``temp``: XLA's temporary buffers, where the
-  activations kept for the backward live); then all of a model's arms are timed, alternated
-  round by round. Ratios are against the same model's unrolled ``"none"`` arm in the same
-  round, median [min, max].
+  each layout (``unrolled``: a Python loop of layers; ``scanned``: ``--scan-layers``, the
+  layers stored stacked and run as one ``lax.scan``) and each policy of
+  ``rudax.layers.REMAT_POLICIES``, the step is compiled once and ``compiled.memory_analysis()``
+  read (``temp``: XLA's temporary buffers, where the activations kept for the backward
+  live); then all of a model's arms are timed, alternated round by round. Ratios are against
+  the same model's unrolled ``"none"`` arm in the same round, median [min, max].
 * Depths (``--depths``): for each number of blocks, unrolled against scanned (remat
   ``none``): the seconds to trace, lower and compile (a fresh ``jax.jit`` each time, arms
   alternated over ``--rounds``), and the step time.
@@ -45,49 +47,64 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     from flax import nnx
 
     from examples.lm.config import build_parser
-    from examples.lm.model import GPT, loss_sum
-    from examples.lm.step import model_config
+    from examples.lm.spec import loss_sum
+    from examples.lm.step import model_spec
 
     flags = ["--seq-len", str(args.seq_len), "--d-model", str(args.d_model)]
     flags += ["--n-layers", str(args.n_layers), "--vocab-size", str(args.vocab_size)]
-    base = model_config(build_parser().parse_args(flags))
+    base = model_spec(build_parser().parse_args(flags))
     batch = jax.random.randint(
-        jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, base.vocab_size
+        jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, base.config.vocab_size
     )
 
-    def compile_step(config: Any, state: Any) -> tuple[Any, float]:
-        model_def = nnx.graphdef(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))
+    def compile_step(spec: Any, model: Any) -> tuple[Any, float]:
+        """The gradient step of ``model`` laid out as ``spec`` says (its remat and layers),
+        compiled; and the seconds to trace, lower and compile it. ``model`` is converted in
+        place (``ModelSpec.adopt``): every arm holds the same weights."""
+        graphdef, params, rest = nnx.split(spec.adopt(model), nnx.Param, ...)
+        # Variables of the step's own, holding the same arrays: converting the model to the
+        # other layout later empties the model's Variables, not these.
+        params, rest = jax.tree.map(lambda x: x, (params, rest))
 
-        def value_and_grad(state: Any, batch: Any) -> Any:
-            return jax.value_and_grad(lambda s: loss_sum(nnx.merge(model_def, s), batch)[0])(state)
+        def value_and_grad(params: Any, rest: Any, batch: Any) -> Any:
+            loss = lambda p: loss_sum(nnx.merge(graphdef, p, rest), batch, chunk=spec.loss_chunk)
+            return jax.value_and_grad(lambda p: loss(p)[0])(params)
 
         start = time.perf_counter()
-        compiled = jax.jit(value_and_grad).lower(state, batch).compile()
-        return compiled, time.perf_counter() - start
+        compiled = jax.jit(value_and_grad).lower(params, rest, batch).compile()
+        seconds = time.perf_counter() - start
+        return (lambda: compiled(params, rest, batch)), compiled, seconds
 
+    c = base.config
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}; d_model {base.d_model}, "
-        f"{args.batch_size} x {args.seq_len} tokens, params {jnp.dtype(base.param_dtype).name}, "
-        f"compute {jnp.dtype(base.dtype).name}; {args.rounds} rounds x {args.iters} steps"
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; hidden {c.hidden_size}, "
+        f"{args.batch_size} x {args.seq_len} tokens, params {jnp.dtype(c.param_dtype).name}, "
+        f"compute {base.dtype.name}; {args.rounds} rounds x {args.iters} steps"
     )
-    return {"base": base, "batch": batch, "compile": compile_step, "GPT": GPT, "nnx": nnx}
+    return {"base": base, "compile": compile_step}
+
+
+def _with_layers(spec: Any, n: int) -> Any:
+    """``spec`` with ``n`` decoder layers."""
+    return dataclasses.replace(spec, config=dataclasses.replace(spec.config, num_hidden_layers=n))
 
 
 def policies_table(args: argparse.Namespace, policies: Sequence[str]) -> list[dict[str, Any]]:
     from benchmarks._timing import alternate, ratio_summary
 
     s = _setup(args)
-    base, nnx = s["base"], s["nnx"]
-    deep = dataclasses.replace(base, n_layers=base.n_layers * args.deep_factor)
-    models = {f"default ({base.n_layers} blocks)": base, f"deep ({deep.n_layers} blocks)": deep}
+    base = s["base"]
+    n = base.config.num_hidden_layers
+    deep = _with_layers(base, n * args.deep_factor)
+    models = {f"default ({n} blocks)": base, f"deep ({n * args.deep_factor} blocks)": deep}
     rows = []
-    for name, config in models.items():
-        state = nnx.state(s["GPT"](config, rngs=nnx.Rngs(0)))  # the same for every arm
+    for name, spec in models.items():
+        model = spec.create(0)  # the same weights for every arm
         steps, info = {}, {}
         for layout in LAYOUTS:
             for policy in policies:
-                arm = dataclasses.replace(config, remat=policy, scan_layers=layout == "scanned")
-                compiled, seconds = s["compile"](arm, state)
+                arm = dataclasses.replace(spec, remat=policy, scan_layers=layout == "scanned")
+                run, compiled, seconds = s["compile"](arm, model)
                 analysis = compiled.memory_analysis()
                 info[layout, policy] = {
                     "compile_s": seconds,
@@ -95,7 +112,7 @@ def policies_table(args: argparse.Namespace, policies: Sequence[str]) -> list[di
                     "argument_bytes": int(analysis.argument_size_in_bytes),
                     "output_bytes": int(analysis.output_size_in_bytes),
                 }
-                steps[layout, policy] = lambda c=compiled, st=state: c(st, s["batch"])
+                steps[layout, policy] = run
         times = alternate(steps, rounds=args.rounds, iters=args.iters)
         baseline = ("unrolled", "none")
         for key, arm_info in info.items():
@@ -125,21 +142,18 @@ def depths_table(args: argparse.Namespace, depths: Sequence[int]) -> list[dict[s
     from benchmarks._timing import ratio_summary, time_once
 
     s = _setup(args)
-    nnx = s["nnx"]
     rows = []
     for n in depths:
-        config = dataclasses.replace(s["base"], n_layers=n)
-        state = nnx.state(s["GPT"](config, rngs=nnx.Rngs(0)))
+        spec = _with_layers(s["base"], n)
+        model = spec.create(0)
         compile_s: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
         step_s: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
         for r in range(args.rounds):
             for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
-                arm = dataclasses.replace(config, scan_layers=layout == "scanned")
-                compiled, seconds = s["compile"](arm, state)
+                arm = dataclasses.replace(spec, scan_layers=layout == "scanned")
+                run, _, seconds = s["compile"](arm, model)  # a fresh jax.jit each time
                 compile_s[layout].append(seconds)
-                step_s[layout].append(
-                    time_once(lambda c=compiled, st=state: c(st, s["batch"]), args.iters)
-                )
+                step_s[layout].append(time_once(run, args.iters))
         row = {"blocks": n}
         for layout in LAYOUTS:
             row[f"{layout}_compile_s"] = statistics.median(compile_s[layout])

@@ -603,7 +603,7 @@ def _base_dir(base: str | None) -> Path:
             "python -m examples.lm.train --name base first, or pass --base <HF dir>"
         )
     # The trainer's own command, run as a user would: its checkpoint format is its business.
-    command = [sys.executable, "-m", "examples.lm.hf", "export", str(DEFAULT_BASE_RUN)]
+    command = [sys.executable, "-m", "examples.lm.export", str(DEFAULT_BASE_RUN)]
     command.append(str(DEFAULT_BASE))
     print(f"exporting {DEFAULT_BASE_RUN} to {DEFAULT_BASE}: {' '.join(command[1:])}")
     # The directory holding examples/, wherever this process was started from.

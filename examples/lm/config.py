@@ -58,9 +58,14 @@ RUN_KEYS = (
     "mesh",
     "eval_batches",  # the validation loss's definition
     "deterministic",
+    "scan_layers",  # the checkpoints hold the layers stacked
     "architecture",  # not a flag: the model fields an --init-from HF directory decided
+    "model",  # not a flag: "llama", the rudax.models class the checkpoints hold
 )
 
+
+# The model class a run's checkpoints hold (rudax.models.LlamaForCausalLM).
+MODEL = "llama"
 
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -276,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--scan-layers",
         action="store_true",
-        help="run the blocks as one lax.scan (one block compiled, and remat effective on "
-        "every backend); the checkpoints are the same (not a run flag)",
+        help="store the layers stacked and run them as one lax.scan (one layer compiled, and "
+        "remat effective on every backend); a run flag: its checkpoints hold them stacked",
     )
     model.add_argument(
         "--compute-dtype",
@@ -336,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
         "count; on CPU that many devices are simulated); default: one device",
     )
     # Set from an --init-from Hugging Face directory's config.json (examples/lm/hf_init.py).
-    p.set_defaults(architecture=None)
+    # What the checkpoints hold: runs of the trainer's earlier GPT (no such key) are refused.
+    p.set_defaults(architecture=None, model=MODEL)
     return p
 
 
@@ -382,6 +388,11 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(
             "--optimizer muon orthogonalizes whole matrices; with fsdp > 1 each device holds a "
             f"flat slice of each: use a data-only mesh or adamw (got --mesh {mesh_text(mesh)})"
+        )
+    if args.scan_layers and mesh.get("fsdp", 1) > 1:
+        raise UsageError(
+            "--scan-layers stores the layers stacked, which rudax.models.shard does not shard "
+            f"yet: drop one, or use a data-only mesh (got --mesh {mesh_text(mesh)})"
         )
     devices = math.prod(mesh.values()) if mesh else 1
     if args.batch_size % devices:

@@ -1,19 +1,20 @@
-"""``--init-from`` a Hugging Face directory: the trainer's side of ``examples/lm/hf.py``.
+"""``--init-from`` a Hugging Face directory: a checkpoint the trainer continues training.
 
-    python -m examples.lm.hf export runs/base hf/base          # a run as a LlamaForCausalLM
+    python -m examples.lm.export runs/base hf/base       # a run as a LlamaForCausalLM folder
     python -m examples.lm.train --init-from hf/base --name tuned --steps 50
 
 A directory whose ``config.json`` names a ``model_type`` is a Hugging Face checkpoint (a run's
 ``config.json`` holds the trainer's flags, which have none). Its ``config.json`` decides the
-model: the shape flags (``--d-model``, ``--n-layers``, ``--n-heads``, ``--mlp-hidden``) are
-taken from it and may be given only with the same values, and the fields no flag covers
-(grouped-query heads, an untied head, RoPE, separate q/k/v projections) are recorded in the
-run's ``architecture``, so ``--resume`` rebuilds the same model without the directory.
-``--param-dtype``, ``--compute-dtype`` and ``--seq-len`` stay the trainer's.
+model (``rudax.models.LlamaConfig.from_hf``): the shape flags (``--d-model``, ``--n-layers``,
+``--n-heads``, ``--mlp-hidden``) are taken from it and may be given only with the same
+values, and the fields no flag covers (grouped-query heads, an untied head, RoPE, biases,
+positions, experts, token ids) are recorded in the run's ``architecture``, so ``--resume``
+rebuilds the same model without the directory. ``--param-dtype``, ``--compute-dtype`` and
+``--seq-len`` (at most the checkpoint's positions) stay the trainer's.
 
 The trainer trains on its own prepared corpus, so the checkpoint's token ids must mean what
 the corpus's mean: the directory's ``tokenizer.json`` must be the data folder's (as
-``examples.lm.hf export`` writes it). Anything else is refused rather than trained on ids of
+``examples.lm.export`` writes it). Anything else is refused rather than trained on ids of
 another vocabulary.
 """
 
@@ -24,24 +25,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+import rudax.models as rm
 from examples.lm.config import UsageError
-from examples.lm.hf import load_hf
-from examples.lm.hf_config import config_from_hf
-from examples.lm.model import GPT, GPTConfig
+from examples.lm.spec import ModelSpec
 from examples.lm.tokenizer import TOKENIZER
 
-# The trainer's shape flags and the GPTConfig field each sets.
-SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "mlp_hidden")
-# The GPTConfig fields an HF checkpoint decides that no flag covers: the run's architecture.
-ARCHITECTURE = (
-    "n_kv_heads",
-    "tie_embeddings",
-    "fused_qkv",
-    "qkv_bias",
-    "rope_theta",
-    "rope_scaling",
-    "norm_eps",
-)
+# The trainer's shape flags and the LlamaConfig field each sets.
+SHAPE_FLAGS = {
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "mlp_hidden": "intermediate_size",
+}
+# The LlamaConfig fields that are not the run's architecture: the flags' and the data's.
+NOT_ARCHITECTURE = ("vocab_size", "param_dtype", *SHAPE_FLAGS.values())
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -56,25 +53,39 @@ def is_hf_dir(path: Path) -> bool:
 def take_architecture(args: Any, given: set[str], hf_dir: Path) -> None:
     """Sets the shape flags and ``args.architecture`` from hf_dir's config.json.
 
-    Raises UsageError for a config.json load_hf refuses (naming the field), ``--moe``, or a
-    shape flag given with another value than the checkpoint's.
+    Raises UsageError for a config.json ``LlamaConfig.from_hf`` refuses (naming the field),
+    ``--moe`` (the checkpoint decides whether it has experts), a shape flag given with another
+    value than the checkpoint's, or a ``--seq-len`` past its positions.
     """
     hf = _config(hf_dir)
     if args.moe:
-        raise UsageError(f"--init-from {hf_dir}: the checkpoint is a dense model; drop --moe")
+        raise UsageError(
+            f"--init-from {hf_dir}: the checkpoint's config.json decides whether the model has "
+            "experts; drop --moe"
+        )
     conflicts = [
-        f"--{key.replace('_', '-')} {getattr(args, key)} (the checkpoint has {getattr(hf, key)})"
-        for key in SHAPE_FLAGS
-        if key in given and getattr(args, key) != getattr(hf, key)
+        f"--{flag.replace('_', '-')} {getattr(args, flag)} (the checkpoint has "
+        f"{getattr(hf, field)})"
+        for flag, field in SHAPE_FLAGS.items()
+        if flag in given and getattr(args, flag) != getattr(hf, field)
     ]
     if conflicts:
         raise UsageError(
             f"--init-from {hf_dir}: the model's shape is its config.json's; flags differ: "
             + "; ".join(conflicts)
         )
-    for key in SHAPE_FLAGS:
-        setattr(args, key, getattr(hf, key))
-    architecture = {key: getattr(hf, key) for key in ARCHITECTURE}
+    if args.seq_len > hf.max_position_embeddings:
+        raise UsageError(
+            f"--seq-len {args.seq_len} is more than the {hf.max_position_embeddings} positions "
+            f"of --init-from {hf_dir} (max_position_embeddings)"
+        )
+    for flag, field in SHAPE_FLAGS.items():
+        setattr(args, flag, getattr(hf, field))
+    architecture = {
+        f.name: getattr(hf, f.name)
+        for f in dataclasses.fields(hf)
+        if f.name not in NOT_ARCHITECTURE
+    }
     if hf.rope_scaling is not None:  # JSON in the run's config.json
         architecture["rope_scaling"] = dataclasses.asdict(hf.rope_scaling)
     args.architecture = architecture
@@ -90,7 +101,7 @@ def check_tokenizer(hf_dir: Path, data_dir: Path, *, flag: str = "--init-from") 
         raise UsageError(
             f"{flag} {hf_dir}: it has no {TOKENIZER}, so nothing shows that its token "
             f"ids are those of the data in {data_dir}; the trainer fine-tunes a checkpoint "
-            "only on data tokenized with its tokenizer (examples.lm.hf export writes it)"
+            "only on data tokenized with its tokenizer (examples.lm.export writes it)"
         )
     if json.loads(theirs.read_text()) != json.loads(ours.read_text()):
         raise UsageError(
@@ -100,21 +111,22 @@ def check_tokenizer(hf_dir: Path, data_dir: Path, *, flag: str = "--init-from") 
         )
 
 
-def load_model(hf_dir: Path, config: GPTConfig) -> GPT:
-    """hf_dir's weights in the GPT of ``config`` (the flags' dtypes and sequence length)."""
-    model = load_hf(hf_dir, param_dtype=config.param_dtype, dtype=config.dtype)
-    # load_hf's config differs from the run's only in what the trainer's flags decide.
-    own = dataclasses.replace(model.config, seq_len=config.seq_len, loss_chunk=config.loss_chunk)
-    if config != own:
-        raise UsageError(
-            f"--init-from {hf_dir}: the checkpoint's model is {model.config}, the run's {config}"
-        )
-    model.config = config
-    return model
-
-
-def _config(hf_dir: Path) -> GPTConfig:
+def load_model(hf_dir: Path, spec: ModelSpec) -> rm.LlamaForCausalLM:
+    """hf_dir's weights in the model of ``spec`` (the flags' dtypes, remat and layout)."""
     try:
-        return config_from_hf(json.loads((hf_dir / "config.json").read_text()))
+        model = rm.from_pretrained(hf_dir, param_dtype=spec.config.param_dtype, dtype=spec.dtype)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--init-from {hf_dir}: {e}") from e
+    if model.config != spec.config:
+        raise UsageError(
+            f"--init-from {hf_dir}: the checkpoint's model is {model.config}, the run's "
+            f"{spec.config}"
+        )
+    return spec.adopt(model)
+
+
+def _config(hf_dir: Path) -> rm.LlamaConfig:
+    try:
+        return rm.LlamaConfig.from_hf(json.loads((hf_dir / "config.json").read_text()))
     except (TypeError, ValueError) as e:
         raise UsageError(f"--init-from {hf_dir}: {e}") from e

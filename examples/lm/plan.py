@@ -1,7 +1,7 @@
 """Per-device memory of a training run, worked out before it is launched.
 
     python -m examples.lm.plan --mesh fsdp=8 --optimizer adamw --device-memory 141 \\
-        --hf-config llama-7b/config.json --seq-len 4096 --batch-size 8 --remat full --scan-layers
+        --hf-config llama-7b/config.json --seq-len 4096 --batch-size 8 --remat full
     python -m examples.lm.plan --finetune qlora --hf-config llama-70b/config.json \\
         --seq-len 2048 --batch-size 1 --remat full --device-memory 141
 
@@ -10,13 +10,15 @@ XLA's own ``memory_analysis`` beside the plan (``examples/lm/plan_xla.py``): on 
 the target's figure.
 
 It takes the trainer's own flags (``examples.lm.train``'s: the model, ``--mesh``, dtypes,
-``--optimizer``, ``--remat``, ``--scan-layers``, ``--batch-size``), or with ``--finetune
-lora|qlora`` those of ``examples.finetune`` (adapters on every projection, AdamW on them), and
-prints the bytes each device holds: parameters, fp32 masters, optimizer moments,
-accumulator, and what each step adds to them. Nothing is allocated and nothing compiled:
-the model, the optimizer state and the accumulator are built abstractly (``nnx.eval_shape``,
-``jax.eval_shape``): on a 2-core CPU a 7B plan takes seconds, a 70B QLoRA one a minute with
-``--scan-layers`` and eight without (80 blocks traced).
+``--optimizer``, ``--remat``, ``--scan-layers``, ``--batch-size``; what the trainer refuses,
+it refuses), or with ``--finetune lora|qlora`` those of ``examples.finetune`` (adapters on
+every projection, AdamW on them), and prints the bytes each device holds: parameters, fp32
+masters, optimizer moments, accumulator, and what each step adds to them. The model is the
+trainer's ``examples.lm.spec.ModelSpec`` (a ``rudax.models.LlamaForCausalLM``), of the flags
+or of ``--hf-config``. Nothing is allocated and nothing compiled: the model, the optimizer
+state and the accumulator are built abstractly (``nnx.eval_shape``, ``jax.eval_shape``): on
+a 2-core CPU a 7B plan takes seconds, a 70B QLoRA one a minute with ``--scan-layers`` and
+eight without (80 layers traced).
 ``examples/lm/hf_configs/`` holds the ``config.json`` of Llama 2 7B and Llama 3.1 8B and 70B.
 
 Where the numbers come from:
@@ -28,18 +30,18 @@ Where the numbers come from:
 - The activations are what JAX's reverse mode keeps for the backward of one microbatch on one
   device: the residuals of ``jax.vjp`` of the run's own loss (``saved_for_backward``; over a
   mesh, the trainer's shard_map'd loss, FSDP gathers included), traced, not guessed, so each
-  remat policy counts what it really keeps. With ``--scan-layers`` they include the blocks'
-  parameters, stacked inside the step: for QLoRA a second copy of the NF4 base.
+  remat policy counts what it really keeps. With ``--scan-layers`` the layers are stored
+  stacked and the scan reads them as stored: their parameters are the step's inputs, not
+  residuals (no second copy of a QLoRA's NF4 base).
 - The transients are modelled on what XLA's own ``memory_analysis`` shows for the programs'
   jitted steps (``tests/lm/test_plan.py`` compares the two on 8 simulated CPU devices;
-  measured 0.71-1.15x XLA's for a microbatch, 0.83-1.10x for the update, and held to within
+  measured 0.73-0.88x XLA's for a microbatch, 0.98-1.16x for the update, and held to within
   35%). A microbatch adds every parameter's fp32 gradient (whole, before FSDP's
-  reduce-scatter, except that a scan reduce-scatters each block's in its own iteration)
-  and a working set: the larger of one chunk of the fused loss's fp32 logits and one
-  block's activations without remat (what the block's backward, or its recomputation,
-  holds while it runs). The trainer's update donates its inputs and adds the fp32 gradients
-  and updates and the new parameters; the fine-tuning program's update, which donates
-  nothing, a new copy of its state.
+  reduce-scatter) and a working set: the larger of one chunk of the fused loss's fp32 logits
+  and one decoder layer's activations without remat (what the layer's backward, or its
+  recomputation, holds while it runs). The trainer's update
+  donates its inputs and adds the fp32 gradients and updates and the new parameters; the
+  fine-tuning program's update, which donates nothing, a new copy of its state.
 
 What it does not see: XLA's fusion and scheduling on the target (a GPU can free buffers a
 CPU keeps, or keep one more), the collectives' buffers, the CUDA context and cuDNN/cuBLAS
@@ -70,9 +72,8 @@ import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import config as cfg
-from examples.lm.hf_config import config_from_hf, config_to_hf
-from examples.lm.model import GPT, GPTConfig, loss_sum, shard
-from examples.lm.step import make_optimizer, make_steps, model_config
+from examples.lm.spec import ModelSpec, shard
+from examples.lm.step import make_optimizer, make_steps, model_spec
 
 FINETUNE = ("none", "lora", "qlora")
 # examples.finetune's adapters: every attention and MLP projection (peft's names).
@@ -89,10 +90,9 @@ class Plan:
         NF4 codes and scales under QLoRA, plus the adapters), ``masters`` (fp32 copies),
         ``optimizer`` (moments and counters), ``accumulator`` (fp32 gradient sums).
       micro: added during one microbatch's forward and backward: ``activations`` (kept for
-        the backward; with scanned layers these include the stacked blocks), ``working set``
-        (the larger of a logits chunk and one block's activations), ``gradients`` (fp32,
-        every trainable parameter) and, where the step does not donate it, ``new
-        accumulator``.
+        the backward), ``working set`` (the larger of a logits chunk and one decoder layer's
+        activations), ``gradients`` (fp32, every trainable parameter) and, where the step
+        does not donate it, ``new accumulator``.
       apply: added during the optimizer update: ``gradients``, ``updates``, ``new params``
         (the trainer's, which donates its inputs), or the new state (fine-tuning's).
       device_bytes: the device memory planned for, or None.
@@ -144,28 +144,27 @@ def nbytes(x: Any) -> int:
 # ------------------------------------------------------------------------------- plans
 
 
-def _loss_chunk_bytes(config: GPTConfig, rows: int) -> int:
-    """The fused loss's fp32 logits for one chunk of tokens."""
-    if config.loss_chunk is None:  # the whole logits are then residuals, counted there
-        return 0
-    tokens = min(config.loss_chunk, rows * config.seq_len)
-    return tokens * config.vocab_size * 4
+def _loss_chunk_bytes(spec: ModelSpec, rows: int) -> int:
+    """The fused loss's fp32 logits for one chunk of a microbatch's tokens."""
+    tokens = min(spec.loss_chunk, rows * spec.seq_len)
+    return tokens * spec.config.vocab_size * 4
 
 
-def _micro(config: GPTConfig, rows: int, saved: Callable[[GPTConfig], int]) -> dict[str, int]:
+def _micro(spec: ModelSpec, rows: int, saved: Callable[[ModelSpec], int]) -> dict[str, int]:
     """What a microbatch adds besides its gradients and accumulator: the activations kept
-    for the backward (``saved(config)``), and the larger of the loss's logits chunk and the
-    backward's working set. That is one block's activations as they are without remat:
-    ``saved`` of two plain blocks less one, what a block's backward (or, under remat, its
-    recomputation) holds while it runs. The two come one after the other, at the loss and
-    then in each block, so only the larger counts."""
-    plain = lambda n: saved(
-        dataclasses.replace(config, n_layers=n, remat="none", scan_layers=False)
-    )
-    block = plain(2) - plain(1)
+    for the backward (``saved(spec)``), and the larger of the loss's logits chunk and the
+    backward's working set. That is one decoder layer's activations as they are without
+    remat: ``saved`` of two plain layers less one, what a layer's backward (or, under remat,
+    its recomputation) holds while it runs. The two come one after the other, at the loss and
+    then in each layer, so only the larger counts."""
+
+    def plain(n: int) -> int:
+        config = dataclasses.replace(spec.config, num_hidden_layers=n)
+        return saved(dataclasses.replace(spec, config=config, remat="none", scan_layers=False))
+
     return {
-        "activations": saved(config),
-        "working set": max(block, _loss_chunk_bytes(config, rows)),
+        "activations": saved(spec),
+        "working set": max(plain(2) - plain(1), _loss_chunk_bytes(spec, rows)),
     }
 
 
@@ -177,35 +176,29 @@ def optimizer_state(tx: optax.GradientTransformation, trainable: Any) -> tuple[A
 
 
 def plan_pretraining(
-    args: argparse.Namespace, config: GPTConfig, *, device_bytes: int | None = None
+    args: argparse.Namespace, spec: ModelSpec, *, device_bytes: int | None = None
 ) -> Plan:
-    """The plan of ``examples.lm.train`` with these flags, its model ``config``."""
+    """The plan of ``examples.lm.train`` with these flags, its model ``spec``."""
+    cfg.check(args)  # what the trainer refuses (say --scan-layers over fsdp) has no plan
     mesh = dict(args.mesh or {})
     devices, fsdp = math.prod(mesh.values()) if mesh else 1, mesh.get("fsdp", 1)
-    rows = _rows(args.batch_size, devices)
-    _, params, _ = nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    rows = args.batch_size // devices
+    mesh_obj = None if not mesh else trace_mesh(mesh)
+    _, params, _ = nnx.split(trained_model(spec, None), nnx.Param, ...)
     tx = make_optimizer(args)
     opt_state, acc = optimizer_state(tx, params)
     masters = _masters(opt_state)
-    mesh_obj = None if not mesh else trace_mesh(mesh)
 
-    def saved(c: GPTConfig) -> int:
-        if mesh_obj is None:
-            graphdef, params, rest = nnx.split(
-                nnx.eval_shape(lambda: GPT(c, rngs=nnx.Rngs(0))), nnx.Param, ...
-            )
-            batch = jax.ShapeDtypeStruct((rows, c.seq_len + 1), jnp.int32)
-            loss = lambda p, b: loss_sum(nnx.merge(graphdef, p, rest), b)[0]
-            return sum(map(nbytes, rl.saved_for_backward(loss, params, batch)))
-        # The trainer's own sharded loss (shard_map over the mesh): under FSDP what is kept
+    def saved(s: ModelSpec) -> int:
+        # The trainer's own loss (over a mesh, its shard_map'd loss): under FSDP what is kept
         # is each device's shard of the parameters, or the gathered weights, as the step
         # really keeps them. shard_map's residuals come out stacked over the devices.
-        graphdef, params, rest = nnx.split(
-            nnx.eval_shape(lambda: sharded_gpt(c, mesh_obj)), nnx.Param, ...
+        graphdef, params, rest = nnx.split(trained_model(s, mesh_obj), nnx.Param, ...)
+        batch = jax.ShapeDtypeStruct((args.batch_size, s.seq_len + 1), jnp.int32)
+        steps = make_steps(
+            graphdef, rest, None, mesh=mesh_obj, donate=False, loss_chunk=s.loss_chunk
         )
-        batch = jax.ShapeDtypeStruct((args.batch_size, c.seq_len + 1), jnp.int32)
-        loss = make_steps(graphdef, rest, None, mesh=mesh_obj, donate=False).forward
-        return sum(map(nbytes, rl.saved_for_backward(loss, params, batch))) // devices
+        return sum(map(nbytes, rl.saved_for_backward(steps.forward, params, batch))) // devices
 
     fp32_local = rs.bytes_per_device(jax.tree.map(_as_fp32, params), fsdp)
     state = {
@@ -215,8 +208,8 @@ def plan_pretraining(
         "accumulator": rs.bytes_per_device(acc, fsdp),
     }
     micro = {
-        **_micro(config, rows, saved),
-        "gradients": _gradients(params, fsdp, scanned=config.scan_layers),
+        **_micro(spec, rows, saved),
+        "gradients": _gradients(params),
         # No new accumulator: micro donates the old one, whose buffer the new sums take.
     }
     apply = {"gradients": fp32_local, "updates": fp32_local, "new params": state["params"]}
@@ -224,7 +217,7 @@ def plan_pretraining(
 
 
 def plan_finetuning(
-    args: argparse.Namespace, config: GPTConfig, *, device_bytes: int | None = None
+    args: argparse.Namespace, spec: ModelSpec, *, device_bytes: int | None = None
 ) -> Plan:
     """The plan of ``examples.finetune`` (one device): LoRA adapters of ``--rank`` on every
     projection, the base NF4 under ``qlora``, AdamW (no masters: the adapters are fp32)."""
@@ -234,28 +227,29 @@ def plan_finetuning(
             "one device's share (its --batch-size) and run data-parallel replicas of it"
         )
 
-    if config.scan_layers and args.dropout > 0:  # examples.finetune refuses it too
+    if spec.scan_layers and args.dropout > 0:  # examples.finetune refuses it too
         raise cfg.UsageError(
             f"--scan-layers needs --dropout 0 (got {args.dropout}): a scan would give every "
-            "block the same dropout masks"
+            "layer the same dropout masks"
         )
 
-    def split(c: GPTConfig) -> Any:
+    def split(s: ModelSpec) -> Any:
         return nnx.split(
-            nnx.eval_shape(lambda: finetune_model(args, c)), rl.LoRAParam, nnx.RngState, ...
+            nnx.eval_shape(lambda: finetune_model(args, s)), rl.LoRAParam, nnx.RngState, ...
         )
 
-    full = split(config)  # built once: a 70B model takes tens of seconds to trace
+    full = split(spec)  # built once: a 70B model takes tens of seconds to trace
 
-    def saved(c: GPTConfig) -> int:
-        graphdef, adapters, rngs, base = full if c == config else split(c)
-        shape = (args.batch_size, c.seq_len)
+    def saved(s: ModelSpec) -> int:
+        graphdef, adapters, rngs, base = full if s == spec else split(s)
+        shape = (args.batch_size, s.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in FINETUNE_BATCH}
 
         # The frozen base and the RNG state are inputs of the step: what is kept of them as
         # they are costs nothing more, what is derived from them (a dequantized weight) counts.
         def loss(a: Any, b: Any, base: Any, rngs: Any) -> Any:
-            return rm.causal_lm_loss_sum(nnx.merge(graphdef, a, rngs, base, copy=True), b)[0]
+            model = nnx.merge(graphdef, a, rngs, base, copy=True)
+            return rm.causal_lm_loss_sum(model, b, chunk=s.loss_chunk)[0]
 
         return sum(map(nbytes, rl.saved_for_backward(loss, adapters, batch, base, rngs)))
 
@@ -271,8 +265,8 @@ def plan_finetuning(
         "accumulator": rs.bytes_per_device(acc),
     }
     micro = {
-        **_micro(config, args.batch_size, saved),
-        "gradients": rs.bytes_per_device(jax.tree.map(_as_fp32, adapters)),
+        **_micro(spec, args.batch_size, saved),
+        "gradients": _gradients(adapters),
         "new accumulator": state["accumulator"],
     }
     # examples.finetune donates nothing: the update writes a new copy of its whole state.
@@ -284,28 +278,41 @@ def plan_finetuning(
     return Plan(state, micro, apply, device_bytes=device_bytes, headroom=args.headroom)
 
 
-def _gradients(params: Any, fsdp: int, *, scanned: bool) -> int:
-    """The fp32 gradients a microbatch holds at once, per device.
+def _gradients(params: Any) -> int:
+    """The fp32 gradients a microbatch holds at once, per device: every parameter's, whole.
 
-    Every parameter's, whole, as XLA:CPU holds them, under FSDP before their reduce-scatter;
-    except with FSDP over scanned layers, where each block's gradients are reduce-scattered
-    in the scan's own iteration: then each device's shard of all of them, one block's whole
-    and the rest of the model's (embedding, head, final norm) whole.
+    So XLA:CPU holds them, under FSDP too, before their reduce-scatter (``tests/lm/
+    test_plan.py``). Nothing is taken off for scanned layers: their reduce-scatter in the
+    scan's own iteration would need FSDP over stacked layers, which ``rudax.models.shard``
+    does not do (the trainer refuses ``--scan-layers`` over ``fsdp``); over replicated
+    layers the scan's backward writes each layer's gradient into the stacked whole.
     """
-    whole = rs.bytes_per_device(jax.tree.map(_as_fp32, params))
-    if fsdp == 1 or not scanned:
-        return whole
-    blocks = jax.tree.map(_as_fp32, params["blocks"])
-    local = rs.bytes_per_device(jax.tree.map(_as_fp32, params), fsdp)
-    return local + rs.bytes_per_device(blocks[0]) + whole - rs.bytes_per_device(blocks)
+    return rs.bytes_per_device(jax.tree.map(_as_fp32, params))
 
 
-def finetune_model(args: argparse.Namespace, config: GPTConfig) -> rm.LlamaForCausalLM:
-    """The model of ``config`` as ``examples.finetune`` trains it: a ``rudax.models``
-    ``LlamaForCausalLM`` (``config``'s remat and scanned layers), ``--rank`` adapters on every
-    projection, each base projection NF4 under ``--finetune qlora``."""
-    llama = rm.LlamaConfig.from_hf(config_to_hf(config), param_dtype=config.param_dtype)
-    model = rm.LlamaForCausalLM(llama, dtype=config.dtype, remat=config.remat, rngs=nnx.Rngs(0))
+def trained_model(spec: ModelSpec, mesh: Mesh | None) -> rm.LlamaForCausalLM:
+    """The model of ``spec`` as ``examples.lm.train`` runs it on ``mesh``, abstract
+    (``ShapeDtypeStruct`` leaves): FSDP-sharded (``examples.lm.spec.shard``) if the mesh has
+    an ``fsdp`` axis, else whole (replicated over ``data``)."""
+    # spec.create evaluated abstractly: the trainer's own build, its layers stacked inside the
+    # evaluation (ModelSpec.abstract stacks them on the host, which jnp.stack refuses for
+    # ShapeDtypeStructs)
+    if mesh is None or "fsdp" not in mesh.axis_names:
+        return nnx.eval_shape(lambda: spec.create(0))
+    return nnx.eval_shape(lambda: shard(spec.create(0), mesh))
+
+
+def finetune_model(args: argparse.Namespace, spec: ModelSpec) -> rm.LlamaForCausalLM:
+    """The model of ``spec`` as ``examples.finetune`` trains it: a ``rudax.models``
+    ``LlamaForCausalLM`` (``spec``'s compute dtype and remat), ``--rank`` adapters on every
+    projection, each base projection NF4 under ``--finetune qlora``, then its layers stacked
+    if ``spec.scan_layers``."""
+    model = rm.LlamaForCausalLM(
+        spec.config,
+        dtype=spec.dtype,
+        remat=spec.remat,  # type: ignore[arg-type]
+        rngs=nnx.Rngs(0),
+    )
     quantize = "nf4" if args.finetune == "qlora" else None
     rl.apply_lora(
         model,
@@ -317,23 +324,13 @@ def finetune_model(args: argparse.Namespace, config: GPTConfig) -> rm.LlamaForCa
         quantize_untargeted=quantize is not None,
         rngs=nnx.Rngs(0),
     )
-    model.scan_layers = config.scan_layers  # stacked after the adapters, as the program does
+    model.scan_layers = spec.scan_layers  # stacked after the adapters, as the program does
     return model
 
 
 def finetune_optimizer() -> optax.GradientTransformation:
     """``examples.finetune``'s optimizer; its hyperparameters change no shape."""
     return optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3, weight_decay=0.0))
-
-
-def sharded_gpt(config: GPTConfig, mesh: Mesh) -> GPT:
-    """The GPT of ``config``, FSDP-sharded as ``examples.lm.train`` shards it if the mesh has
-    an ``fsdp`` axis."""
-    model = GPT(config, rngs=nnx.Rngs(0))
-    if "fsdp" not in mesh.axis_names:
-        return model
-    # As examples.lm.train shards it: gathered (and reduce-scattered) in fp32.
-    return shard(model, rs.ShardingContext(mesh, "fsdp"), compute_dtype=jnp.float32)
 
 
 def trace_mesh(spec: dict[str, int]) -> Mesh:
@@ -374,22 +371,23 @@ def _masters(opt_state: Any) -> Any:
     return found
 
 
-def _rows(batch_size: int, devices: int) -> int:
-    if batch_size % devices:
-        raise cfg.UsageError(
-            f"--batch-size {batch_size} must be a multiple of the mesh's {devices} devices"
-        )
-    return batch_size // devices
-
-
 # ------------------------------------------------------------------------------- program
 
 
-def model_of(args: argparse.Namespace) -> GPTConfig:
-    """The model of the flags, or of ``--hf-config`` with the flags' dtypes, sequence length,
-    remat, scanned layers and loss chunk."""
+def model_of(args: argparse.Namespace) -> ModelSpec:
+    """The model of the flags (``examples.lm.step.model_spec``), or of ``--hf-config`` with the
+    flags' storage and compute dtypes, sequence length, remat and scanned layers; its loss
+    chunk ``--loss-chunk``'s (0: one chunk of the whole batch's tokens).
+
+    Example:
+      >>> from examples.lm import plan
+      >>> args = plan.build_parser().parse_args(["--d-model", "64", "--loss-chunk", "0"])
+      >>> spec = plan.model_of(args)
+      >>> spec.config.hidden_size, spec.seq_len, spec.loss_chunk == args.batch_size * 256
+      (64, 256, True)
+    """
     if args.hf_config is None:
-        config = model_config(args)
+        spec = model_spec(args)
     else:
         hf = json.loads(Path(args.hf_config).read_text())
         positions = hf.get("max_position_embeddings")
@@ -400,26 +398,28 @@ def model_of(args: argparse.Namespace) -> GPTConfig:
                 f"--seq-len {args.seq_len} is more than the {positions} positions of "
                 f"{args.hf_config} (max_position_embeddings)"
             )
-        config = config_from_hf(
-            hf, param_dtype=jnp.dtype(args.param_dtype), dtype=jnp.dtype(args.compute_dtype)
-        )
-        config = dataclasses.replace(
-            config, seq_len=args.seq_len, remat=args.remat, scan_layers=args.scan_layers
+        spec = ModelSpec(
+            rm.LlamaConfig.from_hf(hf, param_dtype=jnp.dtype(args.param_dtype)),
+            seq_len=args.seq_len,
+            dtype=jnp.dtype(args.compute_dtype),
+            remat=args.remat,
+            scan_layers=args.scan_layers,
+            embedding_backward="sorted" if args.deterministic else "scatter",
         )
     if args.loss_chunk is not None:
-        config = dataclasses.replace(config, loss_chunk=args.loss_chunk or None)
-    if args.finetune != "none":  # load_hf's layout, in which LoRA on q, k or v alone is exact
-        config = dataclasses.replace(config, fused_qkv=False)
-    return config
+        # 0: every token of a microbatch in one chunk (the whole batch's bounds any device's)
+        chunk = args.loss_chunk or args.batch_size * args.seq_len
+        spec = dataclasses.replace(spec, loss_chunk=chunk)
+    return spec
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """The plan of the parsed flags (``build_parser``)."""
-    config = model_of(args)
+    spec = model_of(args)
     device_bytes = None if args.device_memory is None else int(args.device_memory * GB)
     if args.finetune == "none":
-        return plan_pretraining(args, config, device_bytes=device_bytes)
-    return plan_finetuning(args, config, device_bytes=device_bytes)
+        return plan_pretraining(args, spec, device_bytes=device_bytes)
+    return plan_finetuning(args, spec, device_bytes=device_bytes)
 
 
 def format_plan(plan: Plan) -> str:
@@ -461,7 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="LoRA dropout (--finetune; its masks)",
     )
     plan.add_argument(
-        "--loss-chunk", type=cfg.non_negative_int, help="tokens per loss chunk; 0: full logits"
+        "--loss-chunk",
+        type=cfg.non_negative_int,
+        help="tokens per chunk of the fused head and loss (default: the trainer's 1024; "
+        "examples.finetune's is 1024); 0: one chunk of all a microbatch's tokens (the loss "
+        "always goes through rudax.kernels.linear_cross_entropy)",
     )
     plan.add_argument(
         "--device-memory", type=cfg.positive_float, help="GB (1e9 bytes) of each device"

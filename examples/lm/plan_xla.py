@@ -3,9 +3,9 @@
 The trainer's (or the fine-tuning program's) jitted steps are compiled for this process's
 backend on abstract inputs placed as the run places them, and ``compiled.memory_analysis()``
 is read. Nothing is allocated, so a 7B step compiles on a laptop's CPU in about a minute
-(with ``--scan-layers``, one block is compiled). On a GPU machine the numbers are the GPU's;
-anywhere else they are XLA:CPU's, whose fusion and buffer assignment differ from a GPU's:
-a cross-check of the plan there, not the target's figure.
+(with ``--scan-layers``, one decoder layer is compiled). On a GPU machine the numbers are the
+GPU's; anywhere else they are XLA:CPU's, whose fusion and buffer assignment differ from a
+GPU's: a cross-check of the plan there, not the target's figure.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def _abstract(tree: Any, shardings: Any = None) -> Any:
 
 def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]]:
     """The backend's name and ``{"microbatch": ..., "update": ...}`` for the plan's flags."""
-    config = pl.model_of(args)
+    spec = pl.model_of(args)
     if args.finetune != "none":
-        model = nnx.eval_shape(lambda: pl.finetune_model(args, config))
+        model = nnx.eval_shape(lambda: pl.finetune_model(args, spec))
         model.eval()
         eval_def = nnx.graphdef(model)
         model.train()
@@ -68,7 +68,7 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         tx = pl.finetune_optimizer()
         opt_state, acc = pl.optimizer_state(tx, adapters)
         micro, apply, _ = finetune_steps(graphdef, eval_def, tx)
-        shape = (args.batch_size, config.seq_len)
+        shape = (args.batch_size, spec.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in pl.FINETUNE_BATCH}
         adapters, rngs, base = _abstract(adapters), _abstract(rngs), _abstract(base)
         steps = {
@@ -78,21 +78,16 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         platform = jax.devices()[0].platform
     else:
         mesh = pl.trace_mesh(args.mesh) if args.mesh else None
-        build = (
-            (lambda: pl.sharded_gpt(config, mesh))
-            if mesh
-            else (lambda: pl.GPT(config, rngs=nnx.Rngs(0)))
-        )
-        graphdef, params, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+        graphdef, params, rest = nnx.split(pl.trained_model(spec, mesh), nnx.Param, ...)
         tx = make_optimizer(args)
         opt_state, acc = pl.optimizer_state(tx, params)
         place = (lambda t: _abstract(t, placement(t, mesh))) if mesh else _abstract
         params, opt_state, acc = place(params), place(opt_state), place(acc)
         batch_sharding = NamedSharding(mesh, batch_spec(mesh)) if mesh else None
         batch = jax.ShapeDtypeStruct(
-            (args.batch_size, config.seq_len + 1), jnp.int32, sharding=batch_sharding
+            (args.batch_size, spec.seq_len + 1), jnp.int32, sharding=batch_sharding
         )
-        run = make_steps(graphdef, rest, tx, mesh=mesh)
+        run = make_steps(graphdef, rest, tx, mesh=mesh, loss_chunk=spec.loss_chunk)
         steps = {
             "microbatch": run.micro.lower(params, acc, batch),
             "update": run.apply.lower(params, opt_state, acc),

@@ -3,7 +3,7 @@
 One update, as data flows through it (``/work/shared/ARCHITECTURE.md``)::
 
     for each of the window's microbatches:            micro(params, acc, batch)
-        loss_sum, grads = value_and_grad(loss_sum)      (examples.lm.model: a SUM over tokens)
+        loss_sum, grads = value_and_grad(loss_sum)      (examples.lm.spec: a SUM over tokens)
         acc = acc.add(grads, weight=tokens)             (rudax.optim.GradientAccumulator)
     grads, acc = acc.pop(normalize=True)              apply(params, opt_state, acc)
     updates, opt_state = tx.update(grads, ...)          (clip, fp32 masters, AdamW/Muon)
@@ -33,42 +33,56 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rudax.layers as rl
+import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.lm.model import GPTConfig, loss_sum
+from examples.lm.spec import ModelSpec, loss_sum
 
 # ------------------------------------------------------------------------------- model
 
 
-def model_config(args: argparse.Namespace, vocab_size: int | None = None) -> GPTConfig:
-    """The ``GPTConfig`` of the flags; ``vocab_size`` (the tokenizer's) overrides the flag's.
+def model_spec(args: argparse.Namespace, vocab_size: int | None = None) -> ModelSpec:
+    """The ``ModelSpec`` of the flags; ``vocab_size`` (the tokenizer's) overrides the flag's.
 
-    The vocabulary a tokenizer ends up with can be smaller than ``--vocab-size`` on a tiny
-    corpus, so the trainer passes the prepared one. Raises GPTConfig's ValueError/TypeError
-    naming the field for an inconsistent shape (say ``--d-model`` not a multiple of
-    ``--n-heads``).
+    The architecture is ``LlamaConfig.tiny``'s at the flags' sizes (a Mixtral with
+    ``--moe``), and ``--seq-len`` positions. The vocabulary a tokenizer ends up with can be
+    smaller than ``--vocab-size`` on a tiny corpus, so the trainer passes the prepared one.
+    Raises a ValueError naming the flags for ``--d-model`` not a multiple of ``--n-heads``,
+    and LlamaConfig's ValueError/TypeError naming the field for another inconsistent shape.
     """
-    # A run started from a Hugging Face directory records the architecture fields the flags
-    # do not cover (grouped-query heads, an untied head, RoPE settings, separate q/k/v).
+    # A run started from a Hugging Face directory records the fields the flags do not cover
+    # (grouped-query heads, an untied head, RoPE, biases, positions): its config.json's.
     architecture = dict(getattr(args, "architecture", None) or {})
     if architecture.get("rope_scaling") is not None:
         architecture["rope_scaling"] = rl.Llama3RopeScaling(**architecture["rope_scaling"])
-    return GPTConfig(
-        **architecture,
-        vocab_size=args.vocab_size if vocab_size is None else vocab_size,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        mlp_hidden=args.mlp_hidden,
+    if args.moe:
+        architecture.update(
+            model_type="mixtral",
+            num_local_experts=args.num_experts,
+            num_experts_per_tok=args.top_k,
+            router_aux_loss_coef=args.moe_aux_weight,
+            output_router_logits=True,  # the balancing loss is part of the training loss
+        )
+    architecture.setdefault("max_position_embeddings", args.seq_len)
+    if architecture.get("head_dim") is None and args.d_model % args.n_heads:
+        # named by the flags, not by LlamaConfig's fields (whose head_dim has no flag)
+        raise ValueError(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
+    config = rm.LlamaConfig.tiny(
+        args.vocab_size if vocab_size is None else vocab_size,
+        hidden_size=args.d_model,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        intermediate_size=args.mlp_hidden,
         param_dtype=jnp.dtype(args.param_dtype),
+        **architecture,
+    )
+    return ModelSpec(
+        config,
+        seq_len=args.seq_len,
         dtype=jnp.dtype(args.compute_dtype),
-        num_experts=args.num_experts if args.moe else 0,
-        top_k=args.top_k,
-        moe_aux_weight=args.moe_aux_weight,
-        embedding_backward="sorted" if getattr(args, "deterministic", False) else "scatter",
         remat=getattr(args, "remat", "none"),
         scan_layers=getattr(args, "scan_layers", False),
+        embedding_backward="sorted" if getattr(args, "deterministic", False) else "scatter",
     )
 
 
@@ -100,37 +114,51 @@ def make_schedule(args: argparse.Namespace, peak: float) -> optax.Schedule:
 def decay_mask(params: Any) -> Any:
     """Which parameters weight decay shrinks: the weight matrices, not norms, biases or embedding.
 
-    True for every leaf of logical rank >= 2 outside the embedding: the attention and MLP
-    matrices (fused ``qkv`` or separate ``q``/``k``/``v``), the MoE router, the stacked 3-D
-    experts, an untied output head's own table (``head.embedding``, a matrix as minGPT's
-    ``lm_head.weight``) and LoRA adapters' A and B. False for norm scales and biases (rank 1:
-    Qwen2's q/k/v biases too) and for the embedding, which is also the tied output head:
-    torch's parameter group with ``weight_decay=0``, as minGPT, modded-nanogpt and OLMo 2
-    leave them. Decay there shrinks per-channel gains and the logits' scale rather than
-    limiting how the matrices fit.
+    True for every weight matrix: the attention and MLP projections, a Mixtral's router and
+    stacked experts, an untied output head's own table (``lm_head.embedding``, a matrix as
+    minGPT's ``lm_head.weight``) and LoRA adapters' A and B. False for norm scales and
+    biases (Qwen2's q/k/v biases too) and for the token embedding, which is also the tied
+    output head: torch's parameter group with ``weight_decay=0``, as minGPT, modded-nanogpt
+    and OLMo 2 leave them. Decay there shrinks per-channel gains and the logits' scale
+    rather than limiting how the matrices fit.
 
-    A ``ShardedParameter`` (FSDP) counts as one leaf, its rank its logical shape's: the mask is
-    a prefix of the parameters' tree, which ``mask=`` takes as optax does (a bool covers its
-    subtree).
+    A matrix is a leaf of rank >= 2, not counting the layer axis of layers stored stacked
+    (``--scan-layers``). A ``ShardedParameter`` (FSDP) counts as one leaf, its rank its
+    logical shape's: the mask is a prefix of the parameters' tree, which ``mask=`` takes as
+    optax does (a bool covers its subtree).
 
     Args:
-      params: the model's ``nnx.Param`` state, plain or FSDP-sharded.
+      params: the model's ``nnx.Param`` state, plain, stacked or FSDP-sharded.
 
     Returns:
       The parameters' tree with a Python bool where each parameter (or ShardedParameter) is.
 
     Example:
       >>> from flax import nnx
-      >>> from examples.lm.model import GPT, GPTConfig
-      >>> config = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=1, n_heads=2)
-      >>> params = nnx.state(GPT(config, rngs=nnx.Rngs(0)), nnx.Param)
-      >>> mask = decay_mask(params)
-      >>> mask["embed"]["embedding"].get_value(), mask["norm"]["scale"].get_value()
-      (False, False)
-      >>> mask["blocks"][0]["attn"]["qkv"]["kernel"].get_value()
+      >>> from examples.lm.spec import ModelSpec
+      >>> from rudax.models import LlamaConfig
+      >>> spec = ModelSpec(LlamaConfig.tiny(64, hidden_size=16, num_hidden_layers=1), 8)
+      >>> mask = decay_mask(nnx.state(spec.create(0), nnx.Param))
+      >>> mask["lm_head"]["embedding"].get_value()  # the tied embedding, listed as the head
+      False
+      >>> mask["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value()
       True
     """
-    return _labels(params, lambda path, x: _logical_ndim(x) >= 2 and "['embed']" not in path)
+    paths = jax.tree.leaves(_labels(params, lambda path, x: path))
+    # A tied head's table is the embedding's one Param, which nnx lists under lm_head (the
+    # first path in sorted order): without an embed_tokens leaf, lm_head is the embedding.
+    tied = not any(p.startswith("['model']['embed_tokens']") for p in paths)
+    spared = ("['model']['embed_tokens']", *(("['lm_head']",) if tied else ()))
+    return _labels(
+        params, lambda path, x: _matrix_rank(path, x) >= 2 and not path.startswith(spared)
+    )
+
+
+def _matrix_rank(path: str, leaf: Any) -> int:
+    """A parameter's rank without the layer axis of stacked layers (``model.layers.<name>``,
+    no layer index: ``rudax.layers.stack_layers``)."""
+    stacked = path.startswith("['model']['layers']['")
+    return _logical_ndim(leaf) - stacked
 
 
 def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
@@ -158,9 +186,14 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
     if args.optimizer == "adamw":
         inner = ro.adamw(lr, weight_decay=args.weight_decay, mask=decay_mask, **adam)
     else:
+        # embed: the token table and an untied head's; block_sparse_moe.gate: a router
         matrices = lambda params: _labels(
             params,
-            lambda path, x: _logical_ndim(x) == 2 and "embed" not in path and "router" not in path,
+            lambda path, x: (
+                _matrix_rank(path, x) == 2
+                and "embed" not in path
+                and "['block_sparse_moe']['gate']" not in path
+            ),
         )
         inner = ro.muon(
             make_schedule(args, args.muon_lr),
@@ -172,6 +205,8 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
             adamw_eps=args.eps,
             adamw_weight_decay=args.weight_decay,
             mask=decay_mask,
+            # scanned layers are stored stacked: each [L, in, out] kernel is L matrices
+            stacked=getattr(args, "scan_layers", False),
         )
     return ro.fp32_master(optax.chain(ro.clip_by_global_norm(args.clip), inner))
 
@@ -206,13 +241,19 @@ def batch_spec(mesh: Mesh | None) -> P:
 
 
 def make_steps(
-    graphdef: nnx.GraphDef, rest: Any, tx: Any, *, mesh: Mesh | None, donate: bool = True
+    graphdef: nnx.GraphDef,
+    rest: Any,
+    tx: Any,
+    *,
+    mesh: Mesh | None,
+    donate: bool = True,
+    loss_chunk: int = 1024,
 ) -> Steps:
     """The run's steps for the model ``nnx.merge(graphdef, params, rest)``.
 
     Args:
       graphdef: the model's structure, from ``nnx.split(model, nnx.Param, ...)``.
-      rest: its non-parameter state (empty for the GPT), passed along unchanged.
+      rest: its non-parameter state, passed along unchanged.
       tx: the optimizer.
       mesh: None for one device; else a mesh with axes ``data`` and/or ``fsdp``, the model
         already ``shard``ed over ``fsdp`` if the mesh has that axis.
@@ -221,6 +262,7 @@ def make_steps(
         state once, not twice (the old and the new). The donated arguments are deleted by
         the call, so a caller that calls a step again on the same inputs (``--profile``'s
         timing) passes False.
+      loss_chunk: tokens per chunk of the fused head and loss (``ModelSpec.loss_chunk``).
 
     Returns:
       ``Steps``. Metrics are fp32/int32 scalars: ``loss_sum`` (what is differentiated),
@@ -228,7 +270,7 @@ def make_steps(
     """
 
     def local(params: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return loss_sum(nnx.merge(graphdef, params, rest), batch)
+        return loss_sum(nnx.merge(graphdef, params, rest), batch, chunk=loss_chunk)
 
     if mesh is None:
         objective = local

@@ -1,7 +1,7 @@
-"""Train a small GPT with rudax, end to end: the README's main job.
+"""Train a small Llama from scratch with rudax, end to end: the README's main job.
 
     python -m examples.lm.train                          # a few minutes on a 2-core CPU
-    python -m examples.lm.train --moe --steps 100        # top-2 of 4 experts per token
+    python -m examples.lm.train --moe --steps 100        # a Mixtral: top-2 of 4 experts
     python -m examples.lm.train --mesh data=2,fsdp=4 --optimizer adamw  # 8 devices, FSDP
     python -m examples.lm.train --name a --stop-at 100   # ... later:
     python -m examples.lm.train --name a --resume        # continues to --steps, bit for bit
@@ -9,8 +9,9 @@
     python -m examples.lm.train --tensorboard            # then: tensorboard --logdir runs
 
 With no flags it tokenizes the Python standard library's own sources into ``data/lm`` (once:
-a BPE trained locally, nothing downloaded), trains a 4-layer GPT on them with bf16 weights,
-fp32 master weights, Muon on the blocks' matrices and AdamW on the rest, warmup + cosine and
+a BPE trained locally, nothing downloaded), trains a 4-layer ``rudax.models.LlamaForCausalLM``
+(``LlamaConfig.tiny``) on them with bf16 weights, fp32 master weights, Muon on the layers'
+matrices and AdamW on the rest, warmup + cosine and
 global-norm clipping, evaluates the validation loss every ``--eval-every`` updates,
 checkpoints every ``--checkpoint-every``, and leaves in ``runs/<timestamp>/``:
 ``config.json``, ``checkpoints/``, ``metrics.jsonl`` and ``loss.png``; with ``--tensorboard``
@@ -23,7 +24,7 @@ non-finite training loss stops the run, naming the update; a checkpoint of non-f
 is never written; and ``--max-skipped-updates`` updates in a row skipped by the optimizer stop
 it too.
 
-Everything rudax offers runs here: ``rudax.layers`` (the model, ``examples/lm/model.py``),
+Everything rudax offers runs here: ``rudax.models`` (the model, ``examples/lm/spec.py``),
 ``rudax.optim`` (``fp32_master``, ``GradientAccumulator``, clipping, schedules, AdamW, Muon,
 fused AdamW), ``rudax.sharding`` (FSDP over a mesh inside ``jax.shard_map``) and
 ``rudax.checkpoint`` (the whole state, restored exactly). The step itself is in
@@ -32,7 +33,6 @@ fused AdamW), ``rudax.sharding`` (FSDP over a mesh inside ``jax.shard_map``) and
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -52,21 +52,21 @@ from tqdm.auto import tqdm
 
 import rudax.checkpoint as rc
 import rudax.kernels as rk
+import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
-import rudax.sharding as rs
 from examples.lm import config as cfg
 from examples.lm import guard, hf_init
 from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError
-from examples.lm.model import GPT, GPTConfig, flops_per_token, shard
 from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
+from examples.lm.spec import shard
 from examples.lm.step import (
     batch_spec,
     make_optimizer,
     make_schedule,
     make_steps,
-    model_config,
+    model_spec,
     place,
 )
 from examples.lm.timing import profile
@@ -144,7 +144,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             )
     init_from = _checkpoint_root(args.init_from) if args.init_from and not hf_dir else None
     try:
-        model_config(args)  # a shape error now, not after the corpus is prepared
+        model_spec(args)  # a shape error now, not after the corpus is prepared
     except (TypeError, ValueError) as e:
         raise UsageError(f"model: {e}") from e
 
@@ -187,17 +187,16 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     put = lambda b: b if mesh is None else jax.device_put(b, NamedSharding(mesh, batch_spec(mesh)))
 
     # --------------------------------------------------------------------------- model
-    config = model_config(args, vocab_size)  # the tokenizer's vocabulary
+    spec = model_spec(args, vocab_size)  # the tokenizer's vocabulary
+    config = spec.config
     if hf_dir is None:
-        model = create_model(config, args.seed)
+        model = spec.create(args.seed)
     else:
-        model = hf_init.load_model(hf_dir, config)
+        model = hf_init.load_model(hf_dir, spec)
         print(f"initialized from the Hugging Face checkpoint {hf_dir}")
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if mesh is not None and "fsdp" in mesh.axis_names:
-        # Gathered (and the gradients reduce-scattered) in fp32: the bf16 rounding of a
-        # gradient then happens once, as on one device, not once per device.
-        model = shard(model, rs.ShardingContext(mesh, "fsdp"), compute_dtype=jnp.float32)
+        model = shard(model, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = place(params, mesh)
     del model
@@ -214,7 +213,9 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- step
     # --profile times each step repeatedly on the same inputs, which donation would delete.
-    steps = make_steps(graphdef, rest, tx, mesh=mesh, donate=not args.profile)
+    steps = make_steps(
+        graphdef, rest, tx, mesh=mesh, donate=not args.profile, loss_chunk=spec.loss_chunk
+    )
     microbatch = lambda s, a: put(train_data.batch((s - 1) * args.grad_accum + a))
     if args.profile:
         table = profile(
@@ -223,7 +224,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             opt_state,
             acc,
             [microbatch(1, a) for a in range(args.grad_accum)],
-            flops_per_token=flops_per_token(config),
+            flops_per_token=rm.flops_per_token(config, spec.seq_len),
             trace_dir=args.trace,
         )
         print(table + (f"\ntrace written to {args.trace}" if args.trace else ""))
@@ -265,8 +266,8 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     tokens_per_update = args.batch_size * args.seq_len * args.grad_accum
     where = f" over mesh {cfg.mesh_text(args.mesh)}" if mesh is not None else ""
     print(
-        f"training a {n_params:,}-parameter GPT{where} on {data_dir}, updates {step + 1} to "
-        f"{stop} of {args.steps}, {tokens_per_update:,} tokens each"
+        f"training a {n_params:,}-parameter {config.model_type} model{where} on {data_dir}, "
+        f"updates {step + 1} to {stop} of {args.steps}, {tokens_per_update:,} tokens each"
     )
     if step == 0:
         log.write(kind="eval", step=0, val_loss=evaluate())
@@ -316,7 +317,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                 )
                 if skipped_so_far is not None:
                     row["skipped"] = int(skipped_so_far)
-                if config.num_experts:
+                if config.num_local_experts is not None:
                     row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
                 log.write(**row)
             paused = False
@@ -354,7 +355,10 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         )
     log.close()
     plot = run_dir / "loss.png"
-    title = f"{run_dir.name}: {config.n_layers}x{config.d_model} GPT, {args.optimizer}"
+    title = (
+        f"{run_dir.name}: {config.num_hidden_layers}x{config.hidden_size} "
+        f"{config.model_type}, {args.optimizer}"
+    )
     rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
     if step < args.steps:
         print(
@@ -382,13 +386,6 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-@functools.partial(nnx.jit, static_argnums=(0, 1))
-def create_model(config: GPTConfig, seed: int) -> GPT:
-    """The GPT initialized from ``seed``, under jit: one compilation, not one per initializer
-    shape, and (jit's cache is keyed by the static config) none for a second run alike."""
-    return GPT(config, rngs=nnx.Rngs(seed))
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:
@@ -433,8 +430,12 @@ def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
         saved = json.loads((run_dir / "config.json").read_text())
     except FileNotFoundError:
         raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
-    saved.setdefault("architecture", None)  # runs from before --init-from took HF directories
-    saved.setdefault("deterministic", False)  # runs from before --deterministic
+    if saved.get("model") != cfg.MODEL:
+        raise UsageError(
+            f"--resume: {run_dir} was trained by an earlier examples.lm.train, whose GPT "
+            "checkpoints this one (a rudax.models.LlamaForCausalLM) does not read: start a "
+            "new run, or resume it with the rudax version that wrote it"
+        )
     conflicts = [
         f"--{key.replace('_', '-')} {getattr(args, key)!r} (the run has {saved[key]!r})"
         for key in cfg.RUN_KEYS

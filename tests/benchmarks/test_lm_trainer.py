@@ -1,15 +1,18 @@
 """benchmarks/lm_trainer.py and its parts: the references compute the trainer's model and update
-(``_flax_gpt.py``, ``_lm_arms.py`` driving ``_torch_gpt.py``), the statistics (``_stats.py``), the
-harness and its report (``bench.py``).
+(``_flax_llama.py``, ``_lm_arms.py`` driving ``_torch_llama.py``), the statistics
+(``_stats.py``), the harness and its report (``lm_trainer.py``).
 
 The benchmark's ratios mean something only if every arm trains the same model the same way:
-the flax+optax reference is checked against the rudax model (loss and gradient) and the
-trainer's optimizer (two updates) at fp32; the PyTorch reference the same way when a Python
-with torch is at hand (``RUDAX_TORCH_PYTHON``, or this interpreter), else skipped. The
+the flax+optax reference is checked against the rudax model (loss and every gradient, by
+name) and, through the harness, against the trainer's optimizer (five updates) at fp32; the
+PyTorch reference against the trainer's first three updates when a Python with torch is at
+hand (``RUDAX_TORCH_PYTHON``, or this interpreter), else skipped. Both in the trainer's layout
+and with grouped-query heads and an untied head (a Hugging Face checkpoint's). The
 t-quantile is checked against a numerical integral of Student's density. The report says which
 ``XLA_FLAGS`` the JAX arms ran with.
 """
 
+import dataclasses
 import doctest
 import importlib.util
 import json
@@ -26,13 +29,15 @@ import optax
 import pytest
 from flax import nnx
 
+import benchmarks._lm_arms as arms
 import benchmarks._stats as stats
 import benchmarks.lm_trainer as bench
-from benchmarks._flax_gpt import RefGPT, flat_params
+import rudax.models as rm
+from benchmarks._flax_llama import RefLlama, flat_params, ref_mean_loss
 from benchmarks._lm_arms import TorchArm, torch_spec
 from examples.lm.config import build_parser
-from examples.lm.model import GPT, loss_sum
-from examples.lm.step import make_optimizer, model_config
+from examples.lm.spec import ModelSpec, loss_sum
+from examples.lm.step import make_optimizer, model_spec
 
 # A model smaller than the "tiny" preset: these tests check arithmetic, not speed.
 SMALLEST = ["--vocab-size=64", "--seq-len=16", "--d-model=32", "--n-layers=2", "--n-heads=2"]
@@ -44,13 +49,21 @@ PRESET = [*SMALLEST, "--warmup=0", "--lr=1e-2"]
 ARGV = [*PRESET, "--optimizer=adamw", "--compute-dtype=float32", "--param-dtype=float32"]
 
 
-def _setup():
+# Beside the trainer's own layout (tied, as many key/value heads as query heads): the other
+# layout the references implement, for a model started from a Hugging Face checkpoint.
+GQA_UNTIED = {"num_key_value_heads": 1, "tie_word_embeddings": False}
+
+
+def _setup(**fields):
     args = build_parser().parse_args(ARGV)
-    config = model_config(args)
-    model = GPT(config, rngs=nnx.Rngs(0))
+    spec = model_spec(args)
+    if fields:
+        spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, **fields))
+    model = spec.create(0)
     rng = np.random.default_rng(0)
-    batch = rng.integers(0, config.vocab_size, (args.batch_size, config.seq_len + 1), np.int32)
-    return args, config, model, batch
+    shape = (args.batch_size, spec.seq_len + 1)
+    batch = rng.integers(0, spec.config.vocab_size, shape, np.int32)
+    return args, spec, model, batch
 
 
 def _rudax_trajectory(args, model, batch, updates):
@@ -73,18 +86,51 @@ def _rudax_trajectory(args, model, batch, updates):
 
 
 def test_load_refuses_other_parameters():
-    config = model_config(build_parser().parse_args(ARGV))
-    abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    arrays = {k: np.zeros(v.shape, np.float32) for k, v in _flat_shapes(abstract).items()}
-    RefGPT.from_arrays(config, arrays, dtype=jnp.float32)  # all present: loads
-    del arrays["norm.scale"]
-    with pytest.raises(ValueError, match=r"norm\.scale"):
-        RefGPT.from_arrays(config, arrays, dtype=jnp.float32)
+    spec = model_spec(build_parser().parse_args(ARGV))
+    arrays = flat_params(spec.create(0))
+    RefLlama.from_arrays(spec.config, arrays, dtype=jnp.float32)  # all present: loads
+    del arrays["model.norm.scale"]
+    with pytest.raises(ValueError, match=r"missing \['model\.norm\.scale'\]"):
+        RefLlama.from_arrays(spec.config, arrays, dtype=jnp.float32)
 
 
-def _flat_shapes(model):
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {".".join(map(str, path)): v.get_value() for path, v in flat}
+def test_references_refuse_what_they_do_not_implement(tmp_path):
+    args = build_parser().parse_args(ARGV)
+    config = rm.LlamaConfig.tiny(64, hidden_size=32, num_attention_heads=2, qkv_bias=True)
+    with pytest.raises(ValueError, match=r"\{'qkv_bias': True\}"):
+        RefLlama(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="qkv_bias"):
+        torch_spec(args, ModelSpec(config, 16), threads=1, workdir=tmp_path)
+
+
+def _ref_and_rudax(config, batch):
+    """The rudax model's (loss, gradient) and the reference's from the same fp32 weights."""
+    model = rm.LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    mean = lambda p: loss_sum(nnx.merge(graphdef, p, rest), batch)[0] / batch[:, 1:].size
+    ours = jax.value_and_grad(mean)(params)
+    ref = RefLlama.from_arrays(config, flat_params(model), dtype=jnp.float32)
+    ref_def, ref_params = nnx.split(ref)
+    theirs = jax.value_and_grad(lambda p: ref_mean_loss(nnx.merge(ref_def, p), batch))(ref_params)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("fields", [{}, GQA_UNTIED], ids=["trainer", "gqa-untied"])
+def test_flax_reference_is_the_rudax_model(fields):
+    """Loss and every parameter's gradient, matched by name, at fp32 storage and compute."""
+    config = rm.LlamaConfig.tiny(
+        64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, param_dtype=jnp.float32,
+        **fields,
+    )  # fmt: skip
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 64, (3, 17), np.int32))
+    (loss, grads), (ref_loss, ref_grads) = _ref_and_rudax(config, batch)
+    assert float(ref_loss) == pytest.approx(float(loss), rel=1e-6)
+    ours, theirs = flat_params(grads), flat_params(ref_grads)
+    assert set(ours) == set(theirs)
+    assert ("lm_head.embedding" in ours) is not config.tie_word_embeddings
+    for name, g in ours.items():  # fp32 summation order: ~5e-7 of each leaf's largest entry
+        atol = 1e-5 * np.abs(g).max()
+        np.testing.assert_allclose(theirs[name], g, rtol=1e-4, atol=atol, err_msg=name)
 
 
 def _t_cdf_by_integration(q, df):
@@ -123,7 +169,7 @@ def test_ratio_interval_is_a_t_interval_on_log_ratios():
             stats.ratio_interval(bad)
 
 
-@pytest.mark.parametrize("module", [bench, stats], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [bench, stats, arms], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted and result.failed == 0
@@ -183,7 +229,9 @@ def test_flax_arm_trains_the_trainers_model_the_same_way(tmp_path, monkeypatch, 
 
 def _result(xla_flags, retain_freed_memory=True):
     """A result as ``bench.main`` returns it, small: rudax alone (no ratios), two rounds."""
-    config = {"d_model": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "seq_len": 16}
+    config = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config |= {"num_key_value_heads": 2, "intermediate_size": 128}
+    config |= {"vocab_size": 64, "seq_len": 16}
     config |= {"batch_size": 4, "dtype": "float32", "param_dtype": "float32"}
     arm = {"tokens_per_s": [1000.0, 1100.0], "mean": 1050.0, "sd": 70.7, "mfu": 0.01}
     arm |= {"first_step_s": 1.5, "initial_loss": 4.2, "final_loss": 4.0}
@@ -237,11 +285,12 @@ def _torch_python():
     reason="no torch here: set RUDAX_TORCH_PYTHON to a Python with torch (pip install "
     "torch==2.13.0) to check the PyTorch reference",
 )
-def test_torch_reference_is_the_trainers_model_and_update(tmp_path):
-    args, config, model, batch = _setup()
-    spec = torch_spec(args, config, "float32", threads=1, workdir=tmp_path)
-    np.savez(spec["arrays"], batch=batch, **flat_params(model))
-    arm = TorchArm(_torch_python(), spec, tmp_path, "eager")
+@pytest.mark.parametrize("fields", [{}, GQA_UNTIED], ids=["trainer", "gqa-untied"])
+def test_torch_reference_is_the_trainers_model_and_update(tmp_path, fields):
+    args, spec, model, batch = _setup(**fields)
+    child = torch_spec(args, spec, threads=1, workdir=tmp_path)
+    np.savez(child["arrays"], batch=batch, **flat_params(model))
+    arm = TorchArm(_torch_python(), child, tmp_path, "eager")
     try:
         first = arm.warmup(1)["first_loss"]
         losses = [first, *(arm() or arm.loss for _ in range(2))]

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from examples.lm.hf import save_hf
-from examples.lm.model import GPT, GPTConfig
 from examples.lm.tokenizer import train_tokenizer
+from rudax.models import LlamaConfig, LlamaForCausalLM, save_pretrained
 
 NAMES = ["alpha", "beta", "gamma", "delta", "value", "total", "index", "item"]
 
@@ -43,25 +42,21 @@ def tiny_base(out: Path, *, seq_len: int = 64) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     texts = [r["prompt"] + r["completion"] for r in examples(200, seed=0)]
     tokenizer = train_tokenizer(texts, 300)
-    tokenizer.save(str(out.parent / f"{out.name}.tokenizer.json"))
-    config = GPTConfig(
-        vocab_size=320,
-        seq_len=seq_len,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        tie_embeddings=False,
-        fused_qkv=False,
+    tokenizer_dir = out.parent / f"{out.name}.tokenizer"
+    tokenizer_dir.mkdir()
+    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
+    config = LlamaConfig.tiny(
+        320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
         param_dtype=jnp.float32,
-        dtype=jnp.float32,
-    )
-    save_hf(
-        GPT(config, rngs=nnx.Rngs(0)),
-        out,
-        tokenizer=out.parent / f"{out.name}.tokenizer.json",
         eos_token_id=0,
     )
+    save_pretrained(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), out, tokenizer=tokenizer_dir)
     return out
 
 

@@ -61,11 +61,11 @@ def own_data(prepared_corpus, tmp_path) -> tuple[list[str], Path]:
 
 @pytest.fixture(scope="session")
 def exported_run(data, tmp_path_factory) -> tuple[dict, Path]:
-    """(summary of an 8-update TINY adamw run, its ``examples.lm.hf export``); never modify
+    """(summary of an 8-update TINY adamw run, its ``examples.lm.export``); never modify
     either. Shared by the tests that start from a Hugging Face directory."""
-    from examples.lm import hf, train  # the trainer only for the tests that need it
+    from examples.lm import export, train  # the trainer only for the tests that need it
 
     root = tmp_path_factory.mktemp("exported")
     summary = train.main([*data, *TINY, "--optimizer", "adamw", "--run-dir", str(root / "src")])
-    hf.main(["export", summary["run_dir"], str(root / "hf")])
+    export.main([summary["run_dir"], str(root / "hf")])
     return summary, root / "hf"

@@ -23,8 +23,8 @@ import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import step
 from examples.lm.config import build_parser
-from examples.lm.model import GPT, shard
-from examples.lm.step import decay_mask, make_optimizer, make_schedule, model_config, place
+from examples.lm.spec import shard
+from examples.lm.step import decay_mask, make_optimizer, make_schedule, model_spec, place
 
 SMALL = ["--vocab-size=64", "--seq-len=8", "--d-model=16", "--n-layers=1", "--n-heads=2"]
 MOE = ["--moe", "--num-experts=4", "--top-k=2"]
@@ -33,41 +33,34 @@ OPT = ["--warmup=0", "--steps=8", "--lr=1e-2", "--muon-lr=0.05", "--weight-decay
 FP32 = ["--param-dtype=float32"]
 UPDATES = 3
 
-# Every parameter of the 1-block models and whether it decays.
+# Every parameter of the 1-layer models and whether it decays. The tied embedding is listed
+# once, under lm_head (nnx's first path to it in sorted order).
+LAYER = "['model']['layers'][0]"
 DENSE_MASK = {
-    "['embed']['embedding']": False,
-    "['norm']['scale']": False,
-    "['blocks'][0]['attn_norm']['scale']": False,
-    "['blocks'][0]['mlp_norm']['scale']": False,
-    "['blocks'][0]['attn']['qkv']['kernel']": True,
-    "['blocks'][0]['attn']['out']['kernel']": True,
-    "['blocks'][0]['mlp']['gate']['kernel']": True,
-    "['blocks'][0]['mlp']['up']['kernel']": True,
-    "['blocks'][0]['mlp']['down']['kernel']": True,
+    "['lm_head']['embedding']": False,
+    "['model']['norm']['scale']": False,
+    f"{LAYER}['input_layernorm']['scale']": False,
+    f"{LAYER}['post_attention_layernorm']['scale']": False,
+    **{f"{LAYER}['self_attn']['{p}_proj']['kernel']": True for p in "qkvo"},
+    **{f"{LAYER}['mlp']['{p}_proj']['kernel']": True for p in ("gate", "up", "down")},
 }
 MOE_MASK = {
     **{k: v for k, v in DENSE_MASK.items() if "['mlp']" not in k},
-    "['blocks'][0]['mlp']['router']['kernel']": True,
-    "['blocks'][0]['mlp']['w_gate']": True,
-    "['blocks'][0]['mlp']['w_up']": True,
-    "['blocks'][0]['mlp']['w_down']": True,
+    f"{LAYER}['block_sparse_moe']['gate']['kernel']": True,
+    **{f"{LAYER}['block_sparse_moe']['experts']['w{i}']": True for i in (1, 2, 3)},
 }
-# FSDP's modules hold their parameters as ['variables'][i]; the MoE MLP's are the router,
-# then w_down, w_gate, w_up (sorted names), the dense MLP's down, gate, up.
+# FSDP's modules hold their parameters as ['variables'][i]; the MoE block's are the router
+# and the three stacked experts.
 FSDP_MOE_MASK = {
-    "['embed']['variables'][0]": False,
-    "['norm']['variables'][0]": False,
-    "['blocks'][0]['attn_norm']['variables'][0]": False,
-    "['blocks'][0]['mlp_norm']['variables'][0]": False,
-    "['blocks'][0]['attn']['qkv']['variables'][0]": True,
-    "['blocks'][0]['attn']['out']['variables'][0]": True,
-    **{f"['blocks'][0]['mlp']['variables'][{i}]": True for i in range(4)},
+    "['lm_head']['variables'][0]": False,
+    "['model']['norm']['variables'][0]": False,
+    f"{LAYER}['input_layernorm']['variables'][0]": False,
+    f"{LAYER}['post_attention_layernorm']['variables'][0]": False,
+    **{f"{LAYER}['self_attn']['{p}_proj']['variables'][0]": True for p in "qkvo"},
+    **{f"{LAYER}['block_sparse_moe']['variables'][{i}]": True for i in range(4)},
 }
 # What --optimizer muon steps with Muon in the MoE model; the rest goes to its AdamW.
-MOE_MUON_TAKES = {
-    "['blocks'][0]['attn']['qkv']['kernel']",
-    "['blocks'][0]['attn']['out']['kernel']",
-}
+MOE_MUON_TAKES = {f"{LAYER}['self_attn']['{p}_proj']['kernel']" for p in "qkvo"}
 
 
 def _args(*flags):
@@ -75,9 +68,9 @@ def _args(*flags):
 
 
 def _params(args, mesh=None):
-    model = GPT(model_config(args), rngs=nnx.Rngs(0))
+    model = model_spec(args).create(0)
     if mesh is not None:
-        model = shard(model, rs.ShardingContext(mesh, "fsdp"), compute_dtype=jnp.float32)
+        model = shard(model, mesh)
     return place(nnx.state(model, nnx.Param), mesh)
 
 
@@ -225,7 +218,8 @@ def test_dense_muon_is_modded_nanogpts_recipe_bit_for_bit():
         _by_path(_run(make_optimizer(args), params, grads)),
         _by_path(_run(plain, params, grads)),
     )
-    assert got.keys() == DENSE_MASK.keys() and got["['norm']['scale']"].dtype == jnp.bfloat16
+    assert got.keys() == DENSE_MASK.keys()
+    assert got["['model']['norm']['scale']"].dtype == jnp.bfloat16
     for path, x in want.items():
         np.testing.assert_array_equal(got[path], x, err_msg=path)
 

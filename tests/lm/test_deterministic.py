@@ -10,23 +10,28 @@ import numpy as np
 from flax import nnx
 
 from examples.lm import train
-from examples.lm.model import GPT, GPTConfig, loss_sum
+from examples.lm.spec import ModelSpec, loss_sum
+from rudax.models import LlamaConfig
 from tests.kernels._lowering import export
 from tests.lm.conftest import TINY
 
 
 def _config(embedding_backward):
-    return GPTConfig(
-        vocab_size=512, seq_len=32, d_model=64, n_layers=2, n_heads=4, loss_chunk=32,
-        param_dtype=jnp.float32, dtype=jnp.float32, embedding_backward=embedding_backward,
+    llama = LlamaConfig.tiny(
+        512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32, param_dtype=jnp.float32,
     )  # fmt: skip
+    return ModelSpec(
+        llama, seq_len=32, dtype=jnp.float32, loss_chunk=32, embedding_backward=embedding_backward
+    )
 
 
-def _grad_fn(config):
-    graphdef, state = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+def _grad_fn(spec):
+    graphdef, state = nnx.split(spec.create(0))
 
     def grads(state, batch):
-        return jax.grad(lambda s: loss_sum(nnx.merge(graphdef, s), batch)[0])(state)
+        loss = lambda s: loss_sum(nnx.merge(graphdef, s), batch, chunk=spec.loss_chunk)[0]
+        return jax.grad(loss)(state)
 
     return grads, state
 

@@ -1,6 +1,6 @@
 """examples.lm.train --init-from a Hugging Face directory: the weights trained on, resumed, refused.
 
-A tiny run is exported with ``python -m examples.lm.hf export`` (a LlamaForCausalLM directory
+A tiny run is exported with ``python -m examples.lm.export`` (a LlamaForCausalLM directory
 with the data's tokenizer.json); a new run starts from that directory. What the user cares
 about is checked after training, not only at setup: the exported weights are what the new run
 evaluates at update 0, what it keeps improving on, and what ``--resume`` continues from
@@ -50,12 +50,13 @@ def test_a_run_from_an_hf_directory_trains_on_its_weights_and_resumes(exported, 
         [*flags, "--run-dir", str(run), "--init-from", str(hf_dir), "--stop-at", "2"]
     )
     config = json.loads((run / "config.json").read_text())
-    assert config["architecture"]["fused_qkv"] is False  # the HF form: separate q/k/v
-    assert config["architecture"]["n_kv_heads"] == 2
+    assert config["architecture"]["tie_word_embeddings"] is True
+    assert config["architecture"]["num_key_value_heads"] == 2
+    assert config["architecture"]["eos_token_id"] == 0  # <|endoftext|>, from the export
     got = _evals(first)
-    # Update 0 evaluates the exported weights: the source's last validation loss. Separate
-    # q/k/v matmuls may round differently from the fused one, hence not bit for bit.
-    assert got[0] == pytest.approx(trained, abs=2e-4)
+    # Update 0 evaluates the exported weights, in the same model: the source's last
+    # validation loss, bit for bit.
+    assert got[0] == trained
     # --resume rebuilds the same model from the run's config.json alone, no --init-from.
     shutil.move(hf_dir, tmp_path / "moved")  # the directory is not needed to continue
     try:
@@ -74,7 +75,9 @@ def test_hf_directory_errors_name_the_problem(exported, data, tmp_path, capsys):
     assert "the model's shape is its config.json's; flags differ: --d-model 64" in err
     assert "(the checkpoint has 32)" in err
     err = _fails([*base, str(hf_dir), "--moe"], capsys)
-    assert "the checkpoint is a dense model; drop --moe" in err
+    assert "config.json decides whether the model has experts; drop --moe" in err
+    err = _fails([*base, str(hf_dir), "--seq-len", "300"], capsys)
+    assert "--seq-len 300 is more than the 16 positions of --init-from" in err
 
     other = tmp_path / "other"
     shutil.copytree(hf_dir, other)

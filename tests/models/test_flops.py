@@ -1,11 +1,9 @@
-"""rudax.models.flops_per_token against the model's own matmul parameters and the GPT
-example's count of the same architecture."""
+"""rudax.models.flops_per_token against the model's own matmul parameters and a count written
+out by hand for the trainer's model."""
 
 import pytest
 from flax import nnx
 
-from examples.lm.model import GPTConfig
-from examples.lm.model import flops_per_token as gpt_flops
 from rudax.models import LlamaConfig, LlamaForCausalLM, flops_per_token
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -37,10 +35,13 @@ def test_the_parameter_term_is_the_models_matmul_parameters(kind):
     assert flops_per_token(config, t) == pytest.approx(want, rel=1e-12)
 
 
-def test_it_equals_the_gpt_examples_count_of_the_same_model():
-    gpt = GPTConfig(vocab_size=96, seq_len=32, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
-                    mlp_hidden=96)  # fmt: skip
-    assert flops_per_token(LlamaConfig(**COMMON), 32) == gpt_flops(gpt)
+def test_the_trainers_model_by_hand():
+    # LlamaConfig.tiny(): V 8192, d 256, 4 layers of q, k, v, o (d x d each: no GQA) and a
+    # SwiGLU of 704, at T = 256:
+    #   6 N    = 6 * 4 * (4 * 256 * 256 + 3 * 256 * 704) = 19,267,584
+    #   scores = 6 * 4 * 256 * 256                         =  1,572,864  (the causal half)
+    #   head   = 6 * 256 * 8192                            = 12,582,912
+    assert flops_per_token(LlamaConfig.tiny(), 256) == 33_423_360
 
 
 def test_a_window_counts_the_keys_each_query_sees():
@@ -57,6 +58,6 @@ def test_a_window_counts_the_keys_each_query_sees():
 
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match=r"config must be a rudax\.models\.LlamaConfig"):
-        flops_per_token(GPTConfig(), 8)
+        flops_per_token(COMMON, 8)
     with pytest.raises(ValueError, match="seq_len must be an int >= 1, got seq_len=0"):
         flops_per_token(LlamaConfig(**COMMON), 0)
