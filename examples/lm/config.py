@@ -389,11 +389,6 @@ def check(args: argparse.Namespace) -> None:
             "--optimizer muon orthogonalizes whole matrices; with fsdp > 1 each device holds a "
             f"flat slice of each: use a data-only mesh or adamw (got --mesh {mesh_text(mesh)})"
         )
-    if args.scan_layers and mesh.get("fsdp", 1) > 1:
-        raise UsageError(
-            "--scan-layers stores the layers stacked, which rudax.models.shard does not shard "
-            f"yet: drop one, or use a data-only mesh (got --mesh {mesh_text(mesh)})"
-        )
     devices = math.prod(mesh.values()) if mesh else 1
     if args.batch_size % devices:
         raise UsageError(

@@ -179,12 +179,15 @@ def plan_pretraining(
     args: argparse.Namespace, spec: ModelSpec, *, device_bytes: int | None = None
 ) -> Plan:
     """The plan of ``examples.lm.train`` with these flags, its model ``spec``."""
-    cfg.check(args)  # what the trainer refuses (say --scan-layers over fsdp) has no plan
+    cfg.check(args)  # what the trainer refuses (say muon over fsdp) has no plan
     mesh = dict(args.mesh or {})
     devices, fsdp = math.prod(mesh.values()) if mesh else 1, mesh.get("fsdp", 1)
     rows = args.batch_size // devices
     mesh_obj = None if not mesh else trace_mesh(mesh)
-    _, params, _ = nnx.split(trained_model(spec, None), nnx.Param, ...)
+    # the state as the run holds it (sharded over fsdp: each leaf, or each layer's slice of
+    # a stacked one, padded on its own), and the logical parameters the gradients have
+    _, params, _ = nnx.split(trained_model(spec, mesh_obj), nnx.Param, ...)
+    _, logical, _ = nnx.split(trained_model(spec, None), nnx.Param, ...)
     tx = make_optimizer(args)
     opt_state, acc = optimizer_state(tx, params)
     masters = _masters(opt_state)
@@ -209,7 +212,7 @@ def plan_pretraining(
     }
     micro = {
         **_micro(spec, rows, saved),
-        "gradients": _gradients(params),
+        "gradients": _gradients(logical, fsdp, scanned=spec.scan_layers),
         # No new accumulator: micro donates the old one, whose buffer the new sums take.
     }
     apply = {"gradients": fp32_local, "updates": fp32_local, "new params": state["params"]}
@@ -266,7 +269,7 @@ def plan_finetuning(
     }
     micro = {
         **_micro(spec, args.batch_size, saved),
-        "gradients": _gradients(adapters),
+        "gradients": _gradients(adapters, 1, scanned=spec.scan_layers),
         "new accumulator": state["accumulator"],
     }
     # examples.finetune donates nothing: the update writes a new copy of its whole state.
@@ -278,16 +281,27 @@ def plan_finetuning(
     return Plan(state, micro, apply, device_bytes=device_bytes, headroom=args.headroom)
 
 
-def _gradients(params: Any) -> int:
-    """The fp32 gradients a microbatch holds at once, per device: every parameter's, whole.
+def _gradients(params: Any, fsdp: int, *, scanned: bool) -> int:
+    """The fp32 gradients a microbatch holds at once, per device.
 
-    So XLA:CPU holds them, under FSDP too, before their reduce-scatter (``tests/lm/
-    test_plan.py``). Nothing is taken off for scanned layers: their reduce-scatter in the
-    scan's own iteration would need FSDP over stacked layers, which ``rudax.models.shard``
-    does not do (the trainer refuses ``--scan-layers`` over ``fsdp``); over replicated
-    layers the scan's backward writes each layer's gradient into the stacked whole.
+    Every parameter's, whole, as XLA:CPU holds them, under FSDP before their reduce-scatter;
+    except with FSDP over scanned layers, where each layer's gradients are reduce-scattered
+    in the scan's own iteration: then each device's shard of all of them, one layer's whole
+    and the rest of the model's (embedding, head, final norm) whole.
+
+    Args:
+      params: the logical parameters (the layers stacked when ``scanned``).
+      fsdp: the fsdp axis's size.
+      scanned: the layers are stored stacked and scanned.
     """
-    return rs.bytes_per_device(jax.tree.map(_as_fp32, params))
+    fp32 = jax.tree.map(_as_fp32, params)
+    whole = rs.bytes_per_device(fp32)
+    if fsdp == 1 or not scanned:
+        return whole
+    layers = fp32["model"]["layers"]  # stacked: each leaf's leading axis is the layer
+    count = jax.tree.leaves(layers)[0].shape[0]
+    one = rs.bytes_per_device(layers) // count
+    return rs.bytes_per_device(fp32, fsdp) + one + whole - rs.bytes_per_device(layers)
 
 
 def trained_model(spec: ModelSpec, mesh: Mesh | None) -> rm.LlamaForCausalLM:

@@ -89,10 +89,6 @@ def model_spec(args: argparse.Namespace, vocab_size: int | None = None) -> Model
 # ------------------------------------------------------------------------------- optimizer
 
 
-def _logical_ndim(leaf: Any) -> int:
-    return len(leaf.logical_shape) if isinstance(leaf, rs.ShardedParameter) else jnp.ndim(leaf)
-
-
 def _is_sharded(x: Any) -> bool:
     return isinstance(x, rs.ShardedParameter)
 
@@ -156,9 +152,11 @@ def decay_mask(params: Any) -> Any:
 
 def _matrix_rank(path: str, leaf: Any) -> int:
     """A parameter's rank without the layer axis of stacked layers (``model.layers.<name>``,
-    no layer index: ``rudax.layers.stack_layers``)."""
-    stacked = path.startswith("['model']['layers']['")
-    return _logical_ndim(leaf) - stacked
+    no layer index: ``rudax.layers.stack_layers``); a ShardedParameter's logical shape is
+    one layer's already."""
+    if isinstance(leaf, rs.ShardedParameter):
+        return len(leaf.logical_shape)
+    return jnp.ndim(leaf) - path.startswith("['model']['layers']['")
 
 
 def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
@@ -275,21 +273,23 @@ def make_steps(
     if mesh is None:
         objective = local
     else:
-        param_spec = P("fsdp") if "fsdp" in mesh.axis_names else P()
+        fsdp = "fsdp" in mesh.axis_names
         per_device = P(tuple(mesh.axis_names))
 
         def ranked(params, batch):
             loss, metrics = local(params, batch)
             return jax.tree.map(lambda x: x[None], (loss, metrics))
 
-        sharded = jax.shard_map(
-            ranked,
-            mesh=mesh,
-            in_specs=(param_spec, batch_spec(mesh)),
-            out_specs=per_device,
-        )
-
         def objective(params, batch):
+            # each leaf's spec: a flat shard, or a stack of them (stacked layers) split over
+            # its last axis; on a data-only mesh every parameter is replicated
+            param_specs = rs.shard_specs(params, "fsdp") if fsdp else P()
+            sharded = jax.shard_map(
+                ranked,
+                mesh=mesh,
+                in_specs=(param_specs, batch_spec(mesh)),
+                out_specs=per_device,
+            )
             loss, metrics = sharded(params, batch)
             return jnp.sum(loss), {
                 "tokens": jnp.sum(metrics["tokens"]),
@@ -330,15 +330,15 @@ def make_steps(
 def placement(tree: Any, mesh: Mesh) -> Any:
     """Where each leaf of the train state lives on the mesh, as a pytree of NamedShardings.
 
-    With an ``fsdp`` axis every parameter is a flat ``ShardedParameter`` vector split over it,
-    and every other non-scalar leaf of the state (fp32 masters, moments, accumulated
-    gradients) mirrors one: all are split over ``fsdp``. Scalars (counters, norms) and, on a
-    data-only mesh, everything are replicated. Works on arrays and on tracers.
+    With an ``fsdp`` axis every parameter is a flat ``ShardedParameter`` vector split over it
+    (a stack of them, for layers stored stacked, over its last axis), and every other
+    non-scalar leaf of the state (fp32 masters, moments, accumulated gradients) mirrors one:
+    all are split over ``fsdp`` (``rudax.sharding.shard_specs``). Scalars (counters, norms)
+    and, on a data-only mesh, everything are replicated. Works on arrays and on tracers.
     """
-    split = "fsdp" in mesh.axis_names
-    return jax.tree.map(
-        lambda x: NamedSharding(mesh, P("fsdp") if split and jnp.ndim(x) >= 1 else P()), tree
-    )
+    if "fsdp" not in mesh.axis_names:
+        return jax.tree.map(lambda x: NamedSharding(mesh, P()), tree)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), rs.shard_specs(tree, "fsdp"))
 
 
 def place(tree: Any, mesh: Mesh | None) -> Any:

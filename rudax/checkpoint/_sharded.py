@@ -20,7 +20,9 @@ followed by zero padding up to ``num_shards * shard_size`` (see
 ``rudax/sharding/_sharded_parameter.py``); storing that vector is what keeps the save free of
 gathers. Its layout row reports its *logical* shape, so a template with another ``num_shards``
 passes the layout check, and the meta item records each one's ``logical_shape``,
-``flat_length``, ``num_shards`` and ``axis_name``. Restoring into another padded length is
+``flat_length``, ``num_shards``, ``axis_name`` and, for layers stored stacked, ``stack``
+(``[L]``: the storage is ``(L, flat_length)``, each row padded on its own). Restoring into
+another padded length is
 "read the first ``size`` elements, pad with zeros": exactly what orbax's restore does with
 ``strict=False`` (``ArrayRestoreArgs``; ``serialization._read_shard`` fills the requested
 domain with zeros and copies in its intersection with the stored one). That option covers a
@@ -60,15 +62,22 @@ def _storage_path(path: tuple[Any, ...]) -> str:
 
 
 def _check_storage(where: str, p: ShardedParameter) -> int:
-    """The flat length of p's storage; ValueError unless it is ``num_shards * shard_size``."""
+    """The flat length of p's storage (of each of a stack's parameters); ValueError unless it
+    is ``num_shards * shard_size``, as a vector or as rows of a stack ``(L, length)``."""
     length = p.num_shards * p.shard_size
-    if tuple(np.shape(p.local)) != (length,):
+    shape = tuple(np.shape(p.local))
+    if shape[-1:] != (length,) or len(shape) > 2:
         raise ValueError(
             f"{where}: a ShardedParameter of logical_shape={p.logical_shape} over "
-            f"num_shards={p.num_shards} must store a flat vector of {length} elements, "
-            f"got local of shape {tuple(np.shape(p.local))}"
+            f"num_shards={p.num_shards} must store a flat vector of {length} elements (or a "
+            f"stack of them), got local of shape {shape}"
         )
     return length
+
+
+def _stack(p: ShardedParameter) -> list[int]:
+    """``[L]`` for a stack of L parameters (layers stored stacked), ``[]`` for one."""
+    return list(np.shape(p.local)[:-1])
 
 
 def layout_row(path: tuple[Any, ...], p: ShardedParameter) -> list[Any]:
@@ -79,7 +88,7 @@ def layout_row(path: tuple[Any, ...], p: ShardedParameter) -> list[Any]:
     """
     where = _storage_path(path)
     _check_storage(where, p)
-    return [where, list(p.logical_shape), str(np.dtype(p.local.dtype))]
+    return [where, _stack(p) + list(p.logical_shape), str(np.dtype(p.local.dtype))]
 
 
 def storage_layout(tree: Any) -> dict[str, dict[str, Any]]:
@@ -98,6 +107,8 @@ def storage_layout(tree: Any) -> dict[str, dict[str, Any]]:
                 "num_shards": leaf.num_shards,
                 "axis_name": leaf.axis_name,
             }
+            if _stack(leaf):  # layers stored stacked; a plain parameter's row as before
+                out[where]["stack"] = _stack(leaf)
     return out
 
 
@@ -194,7 +205,8 @@ def check_stored_shapes(
         jax.tree_util.tree_flatten_with_path(target)[0], names, strict=True
     ):
         where = jax.tree_util.keystr(path)
-        want = (lengths[where][0],) if where in lengths else tuple(np.shape(leaf))
+        shape = tuple(np.shape(leaf))
+        want = (*shape[:-1], lengths[where][0]) if where in lengths else shape
         if stored.get(name) != want:
             raise ValueError(
                 f"restore: {where} is stored in {os.fspath(item_dir)} with shape "

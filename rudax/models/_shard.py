@@ -36,13 +36,16 @@ def shard(
 
     ``model`` is not modified: the result is built on a structural copy that shares its
     arrays until they are sharded. Run the result inside ``jax.shard_map`` with the parameter
-    state split ``P(ctx.axis_name)`` and each rank's own rows of the batch; ``jax.grad`` of
+    state split as ``rudax.sharding.shard_specs`` says (``P(ctx.axis_name)``, or
+    ``P(None, ctx.axis_name)`` for stacked layers) and each rank's own rows of the batch;
+    ``jax.grad`` of
     the ranks' summed ``causal_lm_loss_sum`` returns gradients already reduce-scattered onto
     the shards.
 
     Args:
-      model: a ``LlamaForCausalLM`` whose layers are stored one module each (a model with
-        ``scan_layers`` set is refused: a stacked layer would be gathered whole).
+      model: a ``LlamaForCausalLM``; with ``scan_layers`` its stacked layers are sharded
+        layer by layer (each variable ``(L, N*k)``, split over its last axis) and gathered
+        one layer at a time by the scan.
       ctx: the ``rudax.sharding.ShardingContext`` of the mesh axis to shard over.
       compute_dtype: the dtype parameters are cast to before their all-gather (halving its
         bytes for bf16); None gathers them in their storage dtype.
@@ -66,24 +69,23 @@ def shard(
         raise TypeError(f"model must be a rudax.models.LlamaForCausalLM, got {model!r}")
     if not isinstance(ctx, rs.ShardingContext):
         raise TypeError(f"ctx must be a rudax.sharding.ShardingContext, got {ctx!r}")
-    if is_stacked(model.model.layers):
-        raise ValueError(
-            "shard: the model's layers are stored stacked (scan_layers); FSDP shards them one "
-            "module each: set model.scan_layers = False first"
-        )
     sharded = nnx.merge(*nnx.split(model))
     kw: dict[str, Any] = dict(compute_dtype=compute_dtype)
     inner: Any = sharded.model  # its places now hold ShardedModules
     # ctx.module at every place: it shards whatever module sits there (a Linear, or the
     # LoRALinear apply_lora put in its place) exactly as the typed methods would.
     inner.embed_tokens = ctx.module(inner.embed_tokens, **kw)
-    for layer in inner.layers:
-        layer.input_layernorm = ctx.module(layer.input_layernorm, **kw)
+    stacked = is_stacked(inner.layers)
+    # Layers stored stacked are one module: each of its sublayers sharded layer by layer,
+    # and gathered one layer at a time by the scan that runs them.
+    each: dict[str, Any] = dict(kw, stacked=stacked)
+    for layer in [inner.layers] if stacked else inner.layers:
+        layer.input_layernorm = ctx.module(layer.input_layernorm, **each)
         for name in ATTENTION:
-            setattr(layer.self_attn, name, ctx.module(getattr(layer.self_attn, name), **kw))
-        layer.post_attention_layernorm = ctx.module(layer.post_attention_layernorm, **kw)
+            setattr(layer.self_attn, name, ctx.module(getattr(layer.self_attn, name), **each))
+        layer.post_attention_layernorm = ctx.module(layer.post_attention_layernorm, **each)
         mlp = "block_sparse_moe" if hasattr(layer, "block_sparse_moe") else "mlp"
-        setattr(layer, mlp, ctx.module(getattr(layer, mlp), **kw))
+        setattr(layer, mlp, ctx.module(getattr(layer, mlp), **each))
     inner.norm = ctx.module(inner.norm, **kw)
     # A tied head's table is the embedding's variable, which the context has already
     # sharded once: the head shares that sharded variable.

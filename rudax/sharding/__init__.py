@@ -21,6 +21,7 @@ from rudax.sharding._data_parallel import MissingGradientPolicy as MissingGradie
 # [block: fsdp]
 from rudax.sharding._fsdp import ShardedModule as ShardedModule
 from rudax.sharding._fsdp import ShardingContext as ShardingContext
+from rudax.sharding._fsdp import shard_specs as shard_specs
 
 # [block: memory]
 from rudax.sharding._memory import bytes_per_device as bytes_per_device
@@ -34,6 +35,7 @@ __all__ = [
     "ShardingContext",
     "bytes_per_device",
     "collectives",
+    "shard_specs",
     "vary_like",
     "varying_axes",
 ]

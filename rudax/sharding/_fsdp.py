@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike, DTypeLike
 
 import rudax.layers as rl
@@ -155,11 +156,13 @@ class ShardingContext:
         # its id cannot be reused by another object.
         self._converted: dict[int, tuple[nnx.Variable, nnx.Variable]] = {}
 
-    def parameter(self, p: nnx.Variable) -> nnx.Variable:
+    def parameter(self, p: nnx.Variable, *, stacked: bool = False) -> nnx.Variable:
         """p's value as a ``ShardedParameter`` in a variable of p's type; one per p (ties kept).
 
         A ``Param`` or ``Frozen`` must hold a floating array; a ``Quantized`` one any array
-        (its codes are uint8).
+        (its codes are uint8). ``stacked``: p holds a stack of layers' parameters on its
+        leading axis (``rudax.layers.stack_layers``), each split on its own
+        (``ShardedParameter.from_full``).
         """
         if not isinstance(p, _SHARDABLE):
             raise TypeError(
@@ -174,10 +177,11 @@ class ShardingContext:
         if seen is not None:
             sharded = seen[1]
             held = sharded.get_value()
-            if held.logical_shape != value.shape or held.dtype != value.dtype:
+            whole = (*held.local.shape[:-1], *held.logical_shape)
+            if whole != value.shape or held.dtype != value.dtype:
                 raise ValueError(
                     f"tied parameter reused with a different value: first converted with "
-                    f"shape={held.logical_shape}, dtype={held.dtype}; now shape={value.shape}, "
+                    f"shape={whole}, dtype={held.dtype}; now shape={value.shape}, "
                     f"dtype={value.dtype}"
                 )
             if type(sharded) is not type(p):
@@ -186,15 +190,23 @@ class ShardingContext:
                     f"{type(sharded).__name__}, now {type(p).__name__}"
                 )
             return sharded
-        sharded = type(p)(ShardedParameter.from_full(value, self.mesh, self.axis_name))
+        sharded = type(p)(
+            ShardedParameter.from_full(value, self.mesh, self.axis_name, stacked=stacked)
+        )
         self._converted[id(p)] = (p, sharded)
         return sharded
 
-    def module(self, layer: nnx.Module, *, compute_dtype: DTypeLike | None = None) -> ShardedModule:
+    def module(
+        self, layer: nnx.Module, *, compute_dtype: DTypeLike | None = None, stacked: bool = False
+    ) -> ShardedModule:
         """Any ``nnx.Module`` whose variables are all floating Params or Frozen, or Quantized.
 
         An ``NF4Linear``, or a ``LoRALinear`` over one (QLoRA), included. RNG state (a
         ``LoRALinear``'s dropout key and count) is kept whole; see ``ShardedModule``.
+        ``stacked``: the layer is part of layers stored stacked (``rudax.layers.stack_layers``):
+        each variable's leading axis indexes the layers, each layer's slice is sharded on its
+        own, and the module is called one layer at a time inside ``rudax.layers.scan_layers``
+        (which slices the leading axis away).
         """
         if not isinstance(layer, nnx.Module):
             raise TypeError(f"layer must be an nnx.Module, got {type(layer).__name__}")
@@ -221,7 +233,7 @@ class ShardingContext:
                     "(and an NF4Linear's rudax.layers.Quantized storage; RNG state is kept)"
                 )
             paths.append(path)
-            variables.append(self.parameter(var))
+            variables.append(self.parameter(var, stacked=stacked))
         return ShardedModule(
             graphdef,
             tuple(paths),
@@ -305,3 +317,41 @@ def _variable_at(module: nnx.Module, path: tuple[Any, ...]) -> Any:
     for key in path:
         node = node[key] if isinstance(key, int) else getattr(node, key)
     return node
+
+
+def shard_specs(tree: Any, axis_name: str = "fsdp") -> Any:
+    """The ``PartitionSpec`` of each leaf of an FSDP state, for ``shard_map``'s ``in_specs``
+    and for placing the state (``NamedSharding``).
+
+    A ``ShardedParameter``'s flat storage ``(N*k,)`` is split over ``axis_name``; a stack of
+    them ``(L, N*k)`` (layers stored stacked) over its last axis; a scalar (a step count) is
+    replicated. So are the optimizer states and accumulators that mirror the parameters.
+
+    Args:
+      tree: a pytree of arrays, tracers or ``ShapeDtypeStruct``s (``ShardedParameter``s
+        count by their storage, their only leaf).
+      axis_name: the mesh axis the parameters are sharded over.
+
+    Returns:
+      The tree with a ``PartitionSpec`` at each leaf (a ``ShardedParameter`` node holds its
+      storage's), which ``shard_map`` takes as ``in_specs``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from rudax.sharding import shard_specs
+      >>> specs = shard_specs({"w": jnp.zeros(8), "stack": jnp.zeros((3, 8)), "n": jnp.zeros(())})
+      >>> specs == {"w": P("fsdp"), "stack": P(None, "fsdp"), "n": P()}
+      True
+    """
+
+    def spec(x: Any) -> P:
+        ndim = len(x.shape)
+        if ndim > 2:
+            raise ValueError(
+                f"shard_specs: a leaf of shape {tuple(x.shape)} is neither a ShardedParameter's "
+                "storage nor a stack of them"
+            )
+        return P(*([None] * (ndim - 1)), axis_name) if ndim else P()
+
+    return jax.tree.map(spec, tree)

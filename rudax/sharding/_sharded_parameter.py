@@ -11,6 +11,12 @@ on the shards directly with no communication.
 A ``ShardedParameter`` is a pytree whose only leaf is the flat storage: outside ``shard_map`` a
 global array of shape ``(N*k,)`` placed with ``PartitionSpec(axis_name)``, inside it this
 rank's ``(k,)`` slice. The logical shape, the axis name and N are static metadata.
+
+Layers stored stacked (``rudax.layers.stack_layers``) hold L parameters of one shape in one
+array: ``from_full(value, ..., stacked=True)`` pads and splits each of the L on its own, so
+the storage is ``(L, N*k)``, placed with ``PartitionSpec(None, axis_name)``. A
+``lax.scan`` over the layers (``rudax.layers.scan_layers``) slices the leading axis away, and
+each step gathers one layer's parameter, as a parameter of its own.
 """
 
 from __future__ import annotations
@@ -120,15 +126,36 @@ class ShardedParameter:
         """The logical flat elements ``[start, stop)`` rank ``rank`` holds (stop may be < its k)."""
         return _shard_range(self.size, self.num_shards, rank)
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the storage holds a stack of parameters on a leading axis (``from_full``)."""
+        return self.local.ndim == 2
+
     @classmethod
-    def from_full(cls, value: ArrayLike, mesh: Mesh, axis_name: str = "fsdp") -> ShardedParameter:
-        """Pads and splits a full value, placing slice r on rank r of ``axis_name``."""
+    def from_full(
+        cls, value: ArrayLike, mesh: Mesh, axis_name: str = "fsdp", *, stacked: bool = False
+    ) -> ShardedParameter:
+        """Pads and splits a full value, placing slice r on rank r of ``axis_name``.
+
+        ``stacked=True``: ``value``'s leading axis indexes L parameters of shape
+        ``value.shape[1:]`` (the logical shape), each padded and split on its own: the
+        storage is ``(L, N*k)``, split over its last axis.
+        """
         n = _axis_size(mesh, axis_name)
         value = jnp.asarray(value)
-        k = shard_size(value.size, n)
-        flat = jnp.pad(value.reshape(-1), (0, n * k - value.size))
-        local = jax.device_put(flat, NamedSharding(mesh, P(axis_name)))
-        return cls(local, tuple(value.shape), axis_name, n)
+        if not stacked:
+            k = shard_size(value.size, n)
+            flat = jnp.pad(value.reshape(-1), (0, n * k - value.size))
+            local = jax.device_put(flat, NamedSharding(mesh, P(axis_name)))
+            return cls(local, tuple(value.shape), axis_name, n)
+        if value.ndim < 1:
+            raise ValueError(f"stacked=True needs a leading axis, got shape {value.shape}")
+        shape = tuple(value.shape[1:])
+        size = math.prod(shape)
+        k = shard_size(size, n)
+        flat = jnp.pad(value.reshape(value.shape[0], size), ((0, 0), (0, n * k - size)))
+        local = jax.device_put(flat, NamedSharding(mesh, P(None, axis_name)))
+        return cls(local, shape, axis_name, n)
 
     @classmethod
     def from_local(
@@ -195,6 +222,12 @@ class ShardedParameter:
                 f"gather: axis_name={self.axis_name!r} is not bound; call it inside jax.shard_map "
                 f"with in_specs=P({self.axis_name!r}) for the parameter"
             )
+        if self.stacked:
+            raise ValueError(
+                f"gather: a stack of {self.local.shape[0]} parameters of logical_shape="
+                f"{self.logical_shape} is gathered one at a time: scan over its leading axis "
+                "(rudax.layers.scan_layers) and gather each slice"
+            )
         if n != self.num_shards or self.local.shape != (self.shard_size,):
             raise ValueError(
                 f"gather: parameter of logical_shape={self.logical_shape} was split into "
@@ -207,8 +240,10 @@ class ShardedParameter:
         return flat[: self.size].reshape(self.logical_shape)
 
     def unshard(self) -> np.ndarray:
-        """The logical value on the host, outside ``shard_map`` (for tests and checkpoints)."""
-        return np.asarray(jax.device_get(self.local))[: self.size].reshape(self.logical_shape)
+        """The logical value on the host, outside ``shard_map`` (for tests and checkpoints);
+        a stack's is ``(L, *logical_shape)``."""
+        local = np.asarray(jax.device_get(self.local))
+        return local[..., : self.size].reshape(*local.shape[:-1], *self.logical_shape)
 
 
 def _bound(axis_name: str) -> bool:

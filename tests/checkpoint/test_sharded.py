@@ -249,6 +249,39 @@ def _grads(t, like):
     }
 
 
+def test_stacked_sharded_parameters_restore_onto_4_then_8_shards(tmp_path):
+    """Layers stored stacked: each row (one layer's parameter) padded on its own; restored
+    onto another shard count each row is read to its logical size and re-padded."""
+    mesh8, mesh4 = _mesh("auto", N), _mesh("auto", 4)
+    values = {
+        "w": np.sin(np.arange(3 * 5 * 3, dtype=np.float32)).reshape(3, 5, 3),  # 15 per layer
+        "b": np.cos(np.arange(3 * 7, dtype=np.float32)).reshape(3, 7).astype(np.float16),
+    }
+    stacked = lambda vs, mesh: {
+        k: rs.ShardedParameter.from_full(v, mesh, AX, stacked=True) for k, v in vs.items()
+    }
+    zeros = jax.tree.map(np.zeros_like, values)
+    with rc.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, _record(stacked(values, mesh8)))
+        on4 = ckpt.restore(_record(stacked(zeros, mesh4)))
+        assert {k: p.local.shape for k, p in on4.model.items()} == {"w": (3, 16), "b": (3, 8)}
+        _assert_sharding(on4.model, lambda path: NamedSharding(mesh4, P(None, AX)))
+        ckpt.save(2, on4)  # 4 shards to 8: each stored row is shorter than the target's
+        on8 = ckpt.restore(_record(stacked(zeros, mesh8)), step=2)
+        assert {k: p.local.shape for k, p in on8.model.items()} == {"w": (3, 16), "b": (3, 8)}
+    for restored in (on4, on8):
+        for k, v in values.items():
+            p = restored.model[k]
+            assert _bits(p.unshard()) == _bits(v), k
+            # every row's padding is zero
+            local = np.asarray(p.local)
+            np.testing.assert_array_equal(local[:, p.size :], 0)
+    with rc.Checkpointer(tmp_path) as ckpt:  # another number of layers is another layout
+        fewer = stacked(jax.tree.map(lambda v: v[:2], zeros), mesh8)
+        with pytest.raises(ValueError, match=r"\['b'\].local: saved shape \(3, 7\).*\(2, 7\)"):
+            ckpt.restore(_record(fewer), step=2)
+
+
 def test_fsdp_train_state_continues_on_4_and_on_1_device_as_unsharded(tmp_path):
     tx = ro.fp32_master(ro.adamw(1e-2, weight_decay=0.1))
     step = _update(tx)
@@ -320,7 +353,7 @@ def test_inconsistent_sharded_parameter_is_refused(tmp_path):
         with pytest.raises(
             ValueError,
             match=r"\['w'\]\.local: .*num_shards=4 must store a flat "
-            r"vector of 12 elements, got local of shape \(8,\)",
+            r"vector of 12 elements \(or a stack of them\), got local of shape \(8,\)",
         ):
             ckpt.restore(_record(dict(like, w=bad)))
         with pytest.raises(ValueError, match=r"\['w'\]\.local: .*12 elements"):

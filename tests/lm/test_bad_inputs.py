@@ -287,10 +287,6 @@ CASES = [
         UsageExit, r"--device-memory: must be > 0, got nan"),
     Bad("plan-dropout-1", lambda: cli("--finetune", "qlora", "--dropout", "1", main=plan.main),
         UsageExit, r"--dropout: must be >= 0 and < 1, got 1"),
-    Bad("plan-scan-layers-over-fsdp",
-        lambda: cli("--mesh", "fsdp=8", "--optimizer", "adamw", "--scan-layers", main=plan.main),
-        UsageExit, r"--scan-layers stores the layers stacked, which rudax\.models\.shard does not "
-        r"shard yet: drop one, or use a data-only mesh \(got --mesh fsdp=8\)"),
     Bad("plan-seq-len-past-the-positions",
         lambda: cli("--hf-config", str(HF_CONFIGS / "llama-2-7b.json"), "--finetune", "qlora",
                     "--seq-len", "100000", main=plan.main),

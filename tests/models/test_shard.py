@@ -1,5 +1,6 @@
 """rudax.models.shard: FSDP over 8 (simulated) devices gives the one-device loss and
-gradients, for a tied dense model with LoRA adapters, a QLoRA model and a Mixtral."""
+gradients, for a tied dense model with LoRA adapters, a QLoRA model and a Mixtral, their
+layers stored one module each or stacked (scan_layers)."""
 
 import jax
 import jax.numpy as jnp
@@ -44,20 +45,33 @@ def _batch():
     return {"tokens": tokens, "labels": labels, "segment_ids": segments}
 
 
-@pytest.mark.parametrize("kind", ["dense", "lora", "qlora", "mixtral"])
-def test_sharded_loss_and_gradients_equal_one_device(kind):
+@pytest.mark.parametrize(
+    ("kind", "scan"),
+    [("dense", False), ("lora", False), ("qlora", False), ("mixtral", False),
+     ("dense", True), ("qlora", True), ("mixtral", True)],
+)  # fmt: skip
+def test_sharded_loss_and_gradients_equal_one_device(kind, scan):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("fsdp",))
     model = _model(kind)
+    # Stacked layers (scan_layers): each layer's slice of each variable is sharded on its
+    # own, stored (L, N*k), and gathered one layer at a time inside the scan.
+    model.scan_layers = scan
     sharded = shard(model, rs.ShardingContext(mesh, "fsdp"))
-    assert type(sharded.model.layers[0].self_attn.q_proj).__name__ == "ShardedModule"
-    assert type(model.model.layers[0].self_attn.q_proj).__name__ != "ShardedModule"
+    q = sharded.model.layers.self_attn.q_proj if scan else sharded.model.layers[0].self_attn.q_proj
+    assert type(q).__name__ == "ShardedModule"
+    if scan:
+        (storage,) = [v.get_value() for v in q.variables if isinstance(v, nnx.Param)][:1]
+        assert storage.local.shape == (2, N * -(-storage.size // N))  # (L, N*k)
+    assert not any(isinstance(n, rs.ShardedModule) for _, n in nnx.iter_graph(model))
     batch = _batch()
     trainable = rl.LoRAParam if kind in ("lora", "qlora") else nnx.Param
 
     graph, params, rest = nnx.split(sharded, trainable, ...)
     local = lambda p, r, b: jax.lax.psum(causal_lm_loss_sum(nnx.merge(graph, p, r), b)[0], "fsdp")
-    total = jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"), P("fsdp"), P("fsdp")),
-                          out_specs=P())  # fmt: skip
+    total = lambda p, r, b: jax.shard_map(
+        local, mesh=mesh, in_specs=(rs.shard_specs(p), rs.shard_specs(r), P("fsdp")),
+        out_specs=P(),
+    )(p, r, b)  # fmt: skip
     placed = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
     loss, grads = jax.jit(jax.value_and_grad(total))(params, rest, placed)
 
@@ -95,6 +109,3 @@ def test_bad_arguments_are_named():
     model = _model("dense")
     with pytest.raises(TypeError, match=r"ctx must be a rudax\.sharding\.ShardingContext"):
         shard(model, mesh)
-    model.scan_layers = True
-    with pytest.raises(ValueError, match="stored stacked"):
-        shard(model, ctx)

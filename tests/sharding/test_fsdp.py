@@ -514,3 +514,42 @@ def test_fp32_master_on_bf16_shards_matches_one_device_and_stores_rounded_master
     assert got_masters.keys() == want_masters.keys() == expected.keys()
     for path, want in want_masters.items():
         np.testing.assert_allclose(got_masters[path], want, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+# ------------------------------------------------------------------------------- stacked
+
+
+def test_a_stack_is_split_layer_by_layer_and_gathered_one_layer_at_a_time():
+    """from_full(stacked=True): each of L parameters padded and split on its own, stored
+    (L, N*k); a scan over the leading axis gathers layer i's value, as a parameter of its
+    own; the stack itself is never gathered whole."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("fsdp",))
+    value = jnp.arange(3 * 5 * 3, dtype=jnp.float32).reshape(3, 5, 3)  # 15 -> k = 2
+    p = rs.ShardedParameter.from_full(value, mesh, "fsdp", stacked=True)
+    assert (p.stacked, p.logical_shape, p.local.shape) == (True, (5, 3), (3, N * 2))
+    assert p.local.sharding.spec == P(None, "fsdp")
+    np.testing.assert_array_equal(p.unshard(), np.asarray(value))
+    np.testing.assert_array_equal(np.asarray(p.local)[1, 15:], 0.0)  # each row padded alone
+    # the storage's spec for shard_map and for placing its optimizer state
+    specs = rs.shard_specs({"p": p, "n": jnp.zeros(())})  # the tree's structure, kept
+    assert (specs["p"].local, specs["n"]) == (P(None, "fsdp"), P())
+
+    def per_layer(p):
+        def body(carry, layer):  # layer: one ShardedParameter of local (k,)
+            return carry, layer.gather()
+
+        return jax.lax.scan(body, 0.0, p)[1][None]
+
+    got = jax.shard_map(per_layer, mesh=mesh, in_specs=(rs.shard_specs(p),), out_specs=P("fsdp"))(p)
+    for rank in range(N):  # every rank gathers every layer whole
+        np.testing.assert_array_equal(np.asarray(got[rank]), np.asarray(value))
+    whole = jax.shard_map(
+        lambda p: p.gather()[None], mesh=mesh, in_specs=(rs.shard_specs(p),), out_specs=P()
+    )
+    with pytest.raises(ValueError, match=r"a stack of 3 parameters .* gathered one at a time"):
+        whole(p)
+
+
+def test_shard_specs_refuses_what_is_not_sharded_storage():
+    with pytest.raises(ValueError, match=r"a leaf of shape \(2, 3, 4\) is neither"):
+        rs.shard_specs({"w": jnp.zeros((2, 3, 4))})
