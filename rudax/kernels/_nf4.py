@@ -3,14 +3,16 @@
 The format is bitsandbytes' (``quantize_4bit(..., quant_type="nf4")``): the same 16 code
 values, the same nearest-code rule and tie, the same packing of two codes per byte, and the
 same fp32 arithmetic on the way back. The codes, the absmax and the dequantized weights equal
-bitsandbytes' bit for bit. With double quantization so do the 8-bit absmax codes and their
-scales, for the offset they are computed from; bitsandbytes' CUDA and CPU kernels round
-some of those codes differently, and ``absmax_rounding`` picks which to reproduce. The offset
-itself (the fp32 mean of the absmax values) may differ in its last bit, since torch and XLA
-sum in different orders. The 8-bit part is ``_dynamic8.py``. ``tests/kernels/test_nf4.py``
-checks all of it against bitsandbytes and against a numpy reference.
+bitsandbytes' bit for bit. With double quantization so do the offset, the 8-bit absmax codes
+and their scales: the offset is torch's ``absmax.mean()`` on the CPU, summed in torch's order
+(``_torch_sum.py``; from 32,768 blocks on torch splits that sum between its threads, and rudax
+follows one thread); bitsandbytes' CUDA and CPU kernels round some of the 8-bit codes
+differently, and ``absmax_rounding`` picks which to reproduce. The 8-bit part is
+``_dynamic8.py``. ``tests/kernels/test_nf4.py`` and ``test_nf4_bnb_shapes.py`` check all of it
+against bitsandbytes and against a numpy reference.
 
-Pure jnp: quantization runs once per weight, and dequantization is an elementwise gather and
+Pure jnp (but for the offset of a concrete weight, which NumPy sums on the host in the same
+order): quantization runs once per weight, and dequantization is an elementwise gather and
 multiply that XLA fuses into its consumer. The dequantize-matmul kernel builds on this module.
 """
 
@@ -31,6 +33,7 @@ from rudax.kernels._dynamic8 import (
     _double_quantize,
     _midpoints,
 )
+from rudax.kernels._torch_sum import torch_cpu_mean
 
 # The 16 NF4 values: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero (QLoRA,
 # appendix E). Stored as these fp32 numbers by bitsandbytes; taken as the definition here.
@@ -169,6 +172,13 @@ def nf4_quantize(
     value's bin in a 65,536-bin table, which is the farther neighbour for about 1 in 1000
     values next to a midpoint. The 4-bit codes and the scales are the same under both.
 
+    The offset is bitsandbytes' own, ``absmax.mean()`` as torch computes it on an x86 CPU, bit
+    for bit: its summation order is reproduced (``_torch_sum.py``). From 32,768 blocks on
+    (2**21 weights at ``block_size=64``: every matrix of an 8B model, none of a 135M one), torch
+    sums in one chunk per thread, so its last bit depends on ``torch.get_num_threads()``;
+    rudax's is torch's with one thread. (On a GPU torch reduces in yet another order, which is
+    not reproduced.) Where the offsets differ, a few 8-bit codes may too.
+
     The weight's size must be a multiple of ``block_size`` (bitsandbytes also takes a short
     last block; rudax refuses it instead, as every matrix of a real model divides by 64).
 
@@ -177,7 +187,7 @@ def nf4_quantize(
     a checkpoint) is moved to the device one chunk at a time, so beside ``w`` and the result
     only one chunk's fp32 copy exists. The result is the same, bit for bit, for any
     ``chunk_size``: each block's codes and absmax do not depend on the others, and the offset is
-    the mean of the same absmax vector, summed by the same program.
+    the mean of the same absmax vector, summed in the same order.
 
     Args:
       w: the weight, float32, bfloat16 or float16, any shape; a ``jax.Array`` or a NumPy array.
@@ -271,13 +281,21 @@ def _quantize_blocks(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Arra
     return (pairs[:, 0] << 4) | pairs[:, 1], absmax_N
 
 
-@functools.partial(jax.jit, static_argnames=("rounding",))
 def _double_quantize_all(
     absmax_N: jax.Array, rounding: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    offset = jnp.mean(absmax_N)
-    absmax_codes, scales_M = _double_quantize(absmax_N, offset, rounding)
+    # bitsandbytes' offset is torch's absmax.mean(): summed in torch's order, then a true
+    # division. (jnp.mean's sum * (1 / n) differed, and XLA fused that multiply into the
+    # subtraction of the offset, an FMA rounding once, which moved 256-blocks' absmax by an
+    # ulp.) A concrete absmax is summed by NumPy on the host, the same additions without a
+    # compilation per shape; a traced one by the same additions in jnp.
+    source = absmax_N if isinstance(absmax_N, jax.core.Tracer) else np.asarray(absmax_N)
+    offset = jnp.asarray(torch_cpu_mean(source))
+    absmax_codes, scales_M = _double_quantize_jit(absmax_N, offset, rounding)
     return absmax_codes, scales_M, offset
+
+
+_double_quantize_jit = jax.jit(_double_quantize, static_argnames=("rounding",))
 
 
 def _absmax(q: NF4Tensor) -> jax.Array:

@@ -208,7 +208,7 @@ def _from_bitsandbytes(codes_t, state, dtype, block_size):
 
 
 @needs_bitsandbytes
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", [*SHAPES, (576, 576), (192, 576)])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_double_quant_dequantizes_bitsandbytes_state_bitwise(shape, dtype_name):
     w_j, w_t = _weight(shape, dtype_name)
@@ -221,19 +221,18 @@ def test_double_quant_dequantizes_bitsandbytes_state_bitwise(shape, dtype_name):
     # The NF4 codes do not depend on double quantization.
     q = nf4_quantize(w_j, double_quant=True)
     np.testing.assert_array_equal(np.asarray(q.codes), codes_t.numpy().reshape(-1))
-    # The offset is the fp32 mean of the absmax values; torch and XLA sum in different
-    # orders, so the last bits may differ.
-    np.testing.assert_allclose(float(q.absmax_offset), state.offset.item(), rtol=4e-7)
+    # The offset is torch's fp32 mean of the absmax values, summed in torch's order (these
+    # shapes have fewer than 32,768 blocks: one torch thread whatever torch's thread count).
+    # Issue: (576, 576) and (192, 576) once differed in the offset's last bit and, through
+    # an FMA, in the scales.
+    assert _bits(q.absmax_offset) == _bits(state.offset.numpy())
     assert q.absmax_scales.shape == state.state2.absmax.shape
-    # The 8-bit codes and scales, bitwise: bitsandbytes' own blockwise quantizer (its CPU
-    # kernel) on rudax's centred absmax, since the offsets may differ in their last bit.
+    np.testing.assert_array_equal(_bits(q.absmax_scales), _bits(state.state2.absmax.numpy()))
+    # The 8-bit codes of bitsandbytes' CPU kernel, which made this state.
     q_cpu = nf4_quantize(w_j, double_quant=True, absmax_rounding="cpu")
-    absmax = np.asarray(nf4_quantize(w_j, double_quant=False).absmax)
-    centred = absmax - np.float32(q_cpu.absmax_offset)
-    codes8_t, state8 = bnbf.quantize_blockwise(torch.from_numpy(centred), blocksize=256)
-    np.testing.assert_array_equal(np.asarray(q_cpu.absmax_codes), codes8_t.numpy())
-    np.testing.assert_array_equal(_bits(q_cpu.absmax_scales), _bits(state8.absmax.numpy()))
-    np.testing.assert_array_equal(_bits(q.absmax_scales), _bits(state8.absmax.numpy()))
+    np.testing.assert_array_equal(np.asarray(q_cpu.absmax_codes), state.absmax.numpy())
+    np.testing.assert_array_equal(_bits(q_cpu.absmax_scales), _bits(state.state2.absmax.numpy()))
+    assert _bits(q_cpu.absmax_offset) == _bits(state.offset.numpy())
 
 
 @needs_bitsandbytes
