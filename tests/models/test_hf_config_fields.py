@@ -14,6 +14,7 @@ import pytest
 
 import rudax.layers as rl
 from rudax.models import LlamaConfig
+from tests.models._reference import LLAMA3
 
 LLAMA = dict(
     architectures=["LlamaForCausalLM"],
@@ -24,14 +25,6 @@ LLAMA = dict(
     num_hidden_layers=1,
     num_attention_heads=4,
     dtype="float32",
-)
-LLAMA3 = dict(
-    rope_type="llama3",
-    rope_theta=500000.0,
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=256,
 )
 
 

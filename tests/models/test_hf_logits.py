@@ -30,60 +30,11 @@ from rudax.models import (
     from_pretrained,
     save_pretrained,
 )
-
-V, T = 64, 16
-IDS = np.random.default_rng(0).integers(0, V, size=(2, T))
-BASE = dict(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=T,
-    # 15x transformers' default std: scores of a few units, so attention depends on position
-    # (RoPE) far more than at a real init's near-uniform attention.
-    initializer_range=0.3,
-)
-LLAMA3 = dict(
-    rope_type="llama3",
-    rope_theta=500000.0,
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    # head_dim 8 at theta 5e5: wavelengths 6.3, 167, 4.4e3, 1.2e5 against L / 4 = 64 and
-    # L / 1 = 256: one kept, one blended, two divided; every branch of the rewrite is used.
-    original_max_position_embeddings=256,
-)
-
-_logits = nnx.jit(lambda model, ids: model(ids))
-
-
-def _ours(model):
-    return np.asarray(_logits(model, jnp.asarray(IDS, jnp.int32)), np.float64)
-
-
-def _theirs(hf_model):
-    with torch.no_grad():
-        return hf_model(torch.tensor(IDS)).logits.double().numpy()
-
-
-def _rel_err(got, want):
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def _hf_model(kind="llama", seed=0, **overrides):
-    """A random transformers model with random norms and biases (their init is ones/zeros)."""
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**BASE, **overrides}))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**BASE, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
-
+from tests.models._reference import LLAMA3, T, V
+from tests.models._reference import hf_model as _hf_model
+from tests.models._reference import ours as _ours
+from tests.models._reference import rel_err as _rel_err
+from tests.models._reference import theirs as _theirs
 
 # ------------------------------------------------------------------ transformers -> rudax
 

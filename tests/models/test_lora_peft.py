@@ -35,19 +35,12 @@ import rudax.optim as ro
 import rudax.sharding as rs
 from rudax.models import LlamaForCausalLM, causal_lm_loss_sum, from_pretrained, save_pretrained
 from rudax.models import shard as shard_model
+from tests.models._reference import TINY as BASE
+from tests.models._reference import T, V
+from tests.models._reference import ours as _ours
+from tests.models._reference import rel_err as _rel_err
+from tests.models._reference import theirs as _theirs
 
-V, T = 64, 16
-# Two layers of width 32; 15x transformers' init std, so attention depends on position.
-BASE = dict(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=T,
-    initializer_range=0.3,
-)
-IDS = np.random.default_rng(0).integers(0, V, size=(2, T))
 _ROWS = np.random.default_rng(1).integers(0, V, size=(8, T + 1), dtype=np.int32)
 BATCH = {"tokens": _ROWS[:, :-1], "labels": _ROWS[:, 1:]}
 KINDS = {
@@ -59,22 +52,6 @@ SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 # rank-sized product) and peft's (scale the output) round alike.
 RANK, ALPHA = 4, 8.0
 TOL = 1e-5
-
-
-def _rel_err(got, want):
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-_logits = nnx.jit(lambda model, ids: model(ids))
-
-
-def _ours(model):
-    return np.asarray(_logits(model, jnp.asarray(IDS, jnp.int32)), np.float64)
-
-
-def _theirs(torch_model):
-    with torch.no_grad():
-        return torch_model(torch.tensor(IDS)).logits.double().numpy()
 
 
 def _hf(directory):

@@ -17,41 +17,20 @@ from flax import nnx
 import rudax.kernels as rk
 import rudax.layers as rl
 from rudax.models import from_pretrained
+from tests.models._reference import IDS, TINY, hf_model
+from tests.models._reference import rel_err as _rel_err
 
-V, T = 64, 16
-IDS = np.random.default_rng(0).integers(0, V, size=(2, T))
-BASE = dict(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=T,
-    initializer_range=0.3,  # 15x the default: attention depends on position
-)
+BASE = dict(TINY, num_key_value_heads=2)
+
+
+def _hf_model(kind, seed=0):
+    return hf_model(kind, seed, num_key_value_heads=2)
+
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 PROJECTIONS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 
 _logits = nnx.jit(lambda model, ids: model(ids))
-
-
-def _rel_err(got, want):
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def _hf_model(kind, seed=0):
-    """A random transformers model with random norms and biases (their init is ones/zeros)."""
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**BASE))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
 
 
 def _linear(layer, proj):
