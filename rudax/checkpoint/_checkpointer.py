@@ -514,7 +514,11 @@ class Checkpointer:
 
         Only directories named ``str(step)`` count: a step an async save is still writing, a
         half-written one left by a crash and names such as ``00012`` or ``12.tmp`` do not.
+        A ``read_only`` Checkpointer lists the directory again on each call: a writer beside
+        it commits steps, and its retention deletes them, after the reader was opened.
         """
+        if self._read_only:
+            self._manager.reload()  # orbax lists once, when opened
         return committed(self.directory, list(self._manager.all_steps()))
 
     def wait(self) -> None:

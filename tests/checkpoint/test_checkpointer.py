@@ -260,3 +260,25 @@ def test_retention_moves_a_step_away_before_deleting_it(tmp_path, monkeypatch):
         assert ckpt.all_steps() == [2]
         assert_bitwise_equal(ckpt.restore(record), record)
     assert sorted(os.listdir(tmp_path)) == ["2"]
+
+
+def test_a_reader_beside_a_writer_sees_the_steps_the_writer_commits_and_deletes(tmp_path):
+    """read_only=True lists the directory on each call: it sees steps committed after it was
+    opened, and no longer names the steps the writer's retention (keep=2) deleted (issue 29:
+    it used to report no committed checkpoint while steps 3 and 4 existed)."""
+    records = {s: _record(step_seed=s, pos=s) for s in (1, 2, 3, 4)}
+    with rc.Checkpointer(tmp_path, keep=2) as writer:
+        writer.save(1, records[1])
+        writer.save(2, records[2])
+        writer.wait()
+        with rc.Checkpointer(tmp_path, read_only=True) as reader:
+            assert reader.all_steps() == [1, 2]
+            writer.save(3, records[3])
+            writer.save(4, records[4])
+            writer.wait()
+            assert reader.all_steps() == [3, 4] and reader.latest_step() == 4
+            restored = reader.restore(_fresh_like(records[4]))  # the latest: step 4
+            assert restored.state["data_position"] == 4
+            assert_bitwise_equal(restored, records[4])
+            with pytest.raises(FileNotFoundError, match=r"no checkpoint for step=1 .* \[3, 4\]"):
+                reader.restore(_fresh_like(records[1]), step=1)
