@@ -63,16 +63,6 @@ class ModelSpec:
         model.scan_layers = self.scan_layers
         return model
 
-    def abstract(self) -> rm.LlamaForCausalLM:
-        """The model's structure with ``ShapeDtypeStruct`` leaves: nothing is allocated."""
-
-        def build() -> rm.LlamaForCausalLM:
-            model = self._build(0)
-            model.scan_layers = self.scan_layers  # stacked as traced values
-            return model
-
-        return nnx.eval_shape(build)
-
     def adopt(self, model: rm.LlamaForCausalLM) -> rm.LlamaForCausalLM:
         """A loaded model (``--init-from``) made this spec's: its remat, layout and backward."""
         model.remat = self.remat  # type: ignore[assignment]
