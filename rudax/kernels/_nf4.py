@@ -289,13 +289,21 @@ def _double_quantize_all(
     # subtraction of the offset, an FMA rounding once, which moved 256-blocks' absmax by an
     # ulp.) A concrete absmax is summed by NumPy on the host, the same additions without a
     # compilation per shape; a traced one by the same additions in jnp.
-    source = absmax_N if isinstance(absmax_N, jax.core.Tracer) else np.asarray(absmax_N)
-    offset = jnp.asarray(torch_cpu_mean(source))
+    if isinstance(absmax_N, jax.core.Tracer):
+        offset = _traced_mean(absmax_N)
+    else:
+        offset = jnp.asarray(torch_cpu_mean(np.asarray(absmax_N)))
     absmax_codes, scales_M = _double_quantize_jit(absmax_N, offset, rounding)
     return absmax_codes, scales_M, offset
 
 
 _double_quantize_jit = jax.jit(_double_quantize, static_argnames=("rounding",))
+# Under an outer trace (nnx.eval_shape or jit of a QLoRA model's build) the cascade's hundreds
+# of additions become one call in the caller's program, not hundreds of its equations: jax
+# 0.10's tracers walk every equation of the program each time flax probes a Variable's
+# sharding (each nnx.Rngs draw), so a long program made building a 30-layer QLoRA model
+# abstractly take 3 minutes.
+_traced_mean = jax.jit(torch_cpu_mean)
 
 
 def _absmax(q: NF4Tensor) -> jax.Array:
