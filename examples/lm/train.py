@@ -39,7 +39,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       ``profile``, the table printed.
     """
     parser = cfg.build_parser()
+    rr.add_distributed_flags(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
@@ -106,8 +108,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def train(args: Any, given: set[str]) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring."""
+    # --------------------------------------------------------------------------- processes
+    # First, before anything starts a JAX backend (reading checkpoints does).
+    try:
+        multi = rr.initialize_from_flags(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
     # --------------------------------------------------------------------------- config
     cfg.check_session(args)
+    if multi and not (args.run_dir or args.name):
+        # the default name is the time, which each process reads for itself
+        raise UsageError("several processes write one run: give it a --name or --run-dir")
     run_dir = _run_dir(args)
     _check_run_dir(args, run_dir)  # now, not after the data is prepared
     if args.resume:
@@ -148,10 +160,22 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     except (TypeError, ValueError) as e:
         raise UsageError(f"model: {e}") from e
 
+    if multi and not args.mesh:
+        raise UsageError(
+            "several processes train one model over a mesh of all their devices: give --mesh "
+            "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
+        )
+    if multi:  # every process has checked the run directory before any writes to it
+        multihost_utils.sync_global_devices("examples.lm.train: checked")
+
     # --------------------------------------------------------------------------- mesh
     # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
     rr.retain_freed_memory()
-    mesh = _mesh(args.mesh)
+    mesh = _mesh(args.mesh, multi=multi)
+    # Process 0 writes the run's files, logs and prints; every process reads its own rows of
+    # each batch (rows [p * b, (p + 1) * b) of the global batch, b = batch_size / processes).
+    primary, process, processes = jax.process_index() == 0, jax.process_index(), jax.process_count()
+    say = print if primary else lambda *a, **k: None
 
     # --------------------------------------------------------------------------- data
     data_dir = Path(args.data_dir or _default_data_dir(args.data))
@@ -163,7 +187,11 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         + ["--out", str(data_dir), "--vocab-size", str(args.vocab_size), "--force"]
     )
     try:
-        prepare(args.data, data_dir, vocab_size=args.vocab_size)
+        if multi:  # one process prepares, the others then find the preparation complete
+            if primary:
+                prepare(args.data, data_dir, vocab_size=args.vocab_size)
+            multihost_utils.sync_global_devices("examples.lm.train: data prepared")
+        prepare(args.data, data_dir, vocab_size=args.vocab_size, verbose=primary)
         vocab_size = read_prepared(data_dir)["vocab_size"]
         # Batch i is a pure function of (seed, i): resuming at update s needs nothing but s.
         # Each shard's checksum and largest id are checked here, once, not per batch.
@@ -171,7 +199,9 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             data_dir, split, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
         )
         train_data = loader("train")
-        val_batches = loader("val").eval_batches(args.eval_batches)
+        val_batches = loader("val").eval_batches(
+            args.eval_batches, shard=process, num_shards=processes
+        )
         if hf_dir is not None:
             hf_init.check_tokenizer(hf_dir, data_dir)
     except PreparationConflict as e:
@@ -184,7 +214,12 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         raise UsageError(f"data: {e}; prepare it again with: {rebuild}") from e
     except (CorpusError, ValueError) as e:
         raise UsageError(f"data: {e}") from e
-    put = lambda b: b if mesh is None else jax.device_put(b, NamedSharding(mesh, batch_spec(mesh)))
+    rows = (args.batch_size, args.seq_len + 1)
+    put = lambda b: (
+        b
+        if mesh is None
+        else jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh)), b, rows)
+    )
 
     # --------------------------------------------------------------------------- model
     spec = model_spec(args, vocab_size)  # the tokenizer's vocabulary
@@ -193,7 +228,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         model = spec.create(args.seed)
     else:
         model = hf_init.load_model(hf_dir, spec)
-        print(f"initialized from the Hugging Face checkpoint {hf_dir}")
+        say(f"initialized from the Hugging Face checkpoint {hf_dir}")
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if mesh is not None and "fsdp" in mesh.axis_names:
         model = shard(model, mesh)
@@ -216,7 +251,9 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     steps = make_steps(
         graphdef, rest, tx, mesh=mesh, donate=not args.profile, loss_chunk=spec.loss_chunk
     )
-    microbatch = lambda s, a: put(train_data.batch((s - 1) * args.grad_accum + a))
+    microbatch = lambda s, a: put(
+        train_data.batch((s - 1) * args.grad_accum + a, shard=process, num_shards=processes)
+    )
     if args.profile:
         table = profile(
             steps,
@@ -227,7 +264,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             flops_per_token=rm.flops_per_token(config, spec.seq_len),
             trace_dir=args.trace,
         )
-        print(table + (f"\ntrace written to {args.trace}" if args.trace else ""))
+        say(table + (f"\ntrace written to {args.trace}" if args.trace else ""))
         return {"profile": table}
 
     def evaluate() -> float:
@@ -238,8 +275,9 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         return ce / n
 
     # --------------------------------------------------------------------------- checkpoint
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
     # No RNG key to keep: the model has no dropout and batch i is drawn from (seed, i), so
     # the update count is the whole data position; the schedule's is in the optimizer state.
     record = lambda step, tokens: rc.TrainingRecord.capture(
@@ -251,27 +289,36 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     )
     step, tokens = 0, 0
     if args.resume:
-        restored = _resume(run_dir, record(0, 0), args.resume_step, keep=args.keep)
+        restored = _resume(run_dir, record(0, 0), args.resume_step, keep=args.keep, say=say)
         params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
         step, tokens = restored.state["step"], restored.state["tokens"]
-        print(f"resumed {run_dir} at update {step} of {args.steps}")
+        say(f"resumed {run_dir} at update {step} of {args.steps}")
     checkpointer = _writer(run_dir / "checkpoints", keep=args.keep)
     skips = guard.SkipWatch(args.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
 
     # --------------------------------------------------------------------------- loop
-    events = run_dir / "tensorboard" if args.tensorboard else None
-    log = rr.MetricsLog(
-        run_dir / "metrics.jsonl", resume_step=step if args.resume else None, tensorboard=events
+    events = run_dir / "tensorboard" if args.tensorboard and primary else None
+    log: rr.MetricsLog | _Unlogged = (
+        rr.MetricsLog(
+            run_dir / "metrics.jsonl",
+            resume_step=step if args.resume else None,
+            tensorboard=events,
+        )
+        if primary
+        else _Unlogged(run_dir / "metrics.jsonl")
     )
     tokens_per_update = args.batch_size * args.seq_len * args.grad_accum
     where = f" over mesh {cfg.mesh_text(args.mesh)}" if mesh is not None else ""
-    print(
+    if processes > 1:
+        where += f" of {processes} processes"
+    say(
         f"training a {n_params:,}-parameter {config.model_type} model{where} on {data_dir}, "
         f"updates {step + 1} to {stop} of {args.steps}, {tokens_per_update:,} tokens each"
     )
     if step == 0:
         log.write(kind="eval", step=0, val_loss=evaluate())
-    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True)
+    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True, disable=not primary)
+    note = bar.write if primary else say  # a line above the bar
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
     clock, clock_tokens = None, tokens
     try:
@@ -291,7 +338,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             loss = sum(float(m["ce_sum"]) for m in window) / sum(int(m["tokens"]) for m in window)
             rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
             if skips.update(step, skipped_so_far):
-                bar.write(
+                note(
                     f"update {step}: skipped by the optimizer (its gradients were not finite); "
                     f"{skipped_so_far} skipped so far"
                 )
@@ -324,7 +371,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             if step % args.eval_every == 0 or step == args.steps:
                 last["val_loss"] = evaluate()
                 log.write(kind="eval", step=step, val_loss=last["val_loss"])
-                bar.write(
+                note(
                     f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
                     f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
                 )
@@ -359,19 +406,20 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         f"{run_dir.name}: {config.num_hidden_layers}x{config.hidden_size} "
         f"{config.model_type}, {args.optimizer}"
     )
-    rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
+    if primary:
+        rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
     if step < args.steps:
-        print(
+        say(
             f"stopped at update {step} of {args.steps} (--stop-at); continue with: "
             f"python -m examples.lm.train --resume --run-dir {run_dir}"
         )
-    print(
+    say(
         f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
         f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
     )
-    print(f"metrics: {log.path}\nloss curve: {plot}\ncheckpoints: {checkpointer.directory}")
+    say(f"metrics: {log.path}\nloss curve: {plot}\ncheckpoints: {checkpointer.directory}")
     if events is not None:
-        print(f"tensorboard: {events} (view with: tensorboard --logdir {events})")
+        say(f"tensorboard: {events} (view with: tensorboard --logdir {events})")
     return {
         "run_dir": str(run_dir),
         "metrics": str(log.path),
@@ -386,6 +434,19 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+class _Unlogged:
+    """The metrics log of a process other than 0: process 0 writes the run's one log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, **row: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:
@@ -467,21 +528,29 @@ def _default_data_dir(data: str | None) -> str:
     return "data/lm" if data is None else f"data/lm-{Path(data).stem}"
 
 
-def _mesh(spec: dict[str, int] | None) -> Mesh | None:
-    """The mesh of ``--mesh``; on CPU that many devices are simulated if JAX has not started."""
+def _mesh(spec: dict[str, int] | None, *, multi: bool) -> Mesh | None:
+    """The mesh of ``--mesh``; on CPU that many devices are simulated if JAX has not started
+    (alone: several processes' launcher gives each its share).
+
+    Its devices are in process order, each process's a contiguous block: the batch's rows
+    split over the mesh in that order, so process ``p``'s devices take rows ``[p * b, (p + 1)
+    * b)``, the rows it reads.
+    """
     if not spec:
         return None
     n = math.prod(spec.values())
-    try:  # must precede the backend's start; afterwards the device count is what it is
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass
+    if not multi:
+        try:  # must precede the backend's start; afterwards the device count is what it is
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass
     if jax.device_count() != n:
-        raise UsageError(
-            f"--mesh {cfg.mesh_text(spec)} needs {n} devices, this process has "
-            f"{jax.device_count()} ({jax.devices()[0].platform})"
-        )
-    return Mesh(np.array(jax.devices()).reshape(tuple(spec.values())), tuple(spec))
+        has = f"{jax.device_count()} ({jax.devices()[0].platform})"
+        if multi:
+            has = f"{jax.process_count()} processes with {has} devices in all"
+        raise UsageError(f"--mesh {cfg.mesh_text(spec)} needs {n} devices, the run has {has}")
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices).reshape(tuple(spec.values())), tuple(spec))
 
 
 def _committed_steps(directory: Path, flag: str) -> list[int]:
@@ -499,7 +568,12 @@ def _committed_steps(directory: Path, flag: str) -> list[int]:
 
 
 def _resume(
-    run_dir: Path, like: rc.TrainingRecord, step: int | None, *, keep: int
+    run_dir: Path,
+    like: rc.TrainingRecord,
+    step: int | None,
+    *,
+    keep: int,
+    say: Callable[[str], None] = print,
 ) -> rc.TrainingRecord:
     """--resume: checkpoint ``step`` (None: the latest) of run_dir, restored into ``like``.
 
@@ -531,7 +605,10 @@ def _resume(
     finally:
         checkpointer.close()
     later = [s for s in saved if s > chosen]
-    if later:
+    if later and jax.process_count() > 1:
+        # every process has restored `chosen` before process 0 moves the others away
+        multihost_utils.sync_global_devices("examples.lm.train: restored")
+    if later and jax.process_index() == 0:
         aside = run_dir / "superseded"
         aside.mkdir(exist_ok=True)
         for s in later:
@@ -539,7 +616,7 @@ def _resume(
             if target.exists():  # superseded before, by an earlier --resume-step
                 target = aside / f"{s}-{time.strftime('%Y%m%d-%H%M%S')}"
             (directory / str(s)).rename(target)
-        print(f"--resume-step {chosen}: moved the later checkpoints {later} into {aside}")
+        say(f"--resume-step {chosen}: moved the later checkpoints {later} into {aside}")
     return restored
 
 

@@ -11,6 +11,10 @@ of faulting it in again each step (``MALLOC_ENV``: the same for a child process)
 
 # Public names, re-exported one per line (``from rudax.run._x import a as a``), sorted as
 # isort sorts them, and listed again in __all__.
+from rudax.run._distributed import DistributedError as DistributedError
+from rudax.run._distributed import add_distributed_flags as add_distributed_flags
+from rudax.run._distributed import initialize as initialize_distributed
+from rudax.run._distributed import initialize_from_flags as initialize_from_flags
 from rudax.run._halt import TrainingHalted as TrainingHalted
 from rudax.run._halt import check_finite as check_finite
 from rudax.run._halt import check_loss as check_loss
@@ -22,10 +26,14 @@ from rudax.run._metrics import read_metrics as read_metrics
 
 __all__ = [
     "MALLOC_ENV",
+    "DistributedError",
     "MetricsLog",
     "TrainingHalted",
+    "add_distributed_flags",
     "check_finite",
     "check_loss",
+    "initialize_distributed",
+    "initialize_from_flags",
     "plot_losses",
     "read_metrics",
     "retain_freed_memory",
