@@ -7,6 +7,12 @@ file reads as one run; ``read_metrics`` reads it back and ``plot_losses`` draws 
 anything: a non-finite loss, or non-finite weights about to be checkpointed (named by their
 pytree path). ``retain_freed_memory`` keeps XLA:CPU's per-step scratch memory mapped instead
 of faulting it in again each step (``MALLOC_ENV``: the same for a child process).
+
+``python -m rudax.run.launch --processes N [--cpu-devices K] -- COMMAND`` runs a command as N
+``jax.distributed`` processes on this machine (``rudax.run.launch.launch`` from Python), their
+output prefixed by rank, one failing stopping all. It is a module of its own, not imported
+here: ``-m`` imports this package before running the module, and a package that had already
+imported it would make ``runpy`` warn that the module exists twice.
 """
 
 # Public names, re-exported one per line (``from rudax.run._x import a as a``), sorted as
