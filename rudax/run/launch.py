@@ -363,9 +363,10 @@ def launch(
             c.signal_group(signal.SIGKILL)
         if late:
             ranks = ", ".join(str(c.rank) for c in late)
+            name = signal.Signals(sig).name
             report(
-                f"rank(s) {ranks} still running {grace:g} s after "
-                f"{signal.Signals(sig).name}: killed"
+                f"rank{'s' if len(late) > 1 else ''} {ranks} still running {grace:g} s after "
+                f"{name}: killed"
             )
         for c in children:
             c.proc.wait()

@@ -245,7 +245,7 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_pat
     status, _, err, seconds = sleepers(tmp_path, 2, "sys.exit(1)", setup, grace=0.5)
     assert status == 1
     assert 0.5 <= seconds < 4, seconds
-    assert "[launch] rank(s) 0 still running 0.5 s after SIGTERM: killed" in err
+    assert "[launch] rank 0 still running 0.5 s after SIGTERM: killed" in err
     assert_gone(pids_in(tmp_path))
 
 
