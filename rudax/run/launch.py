@@ -193,8 +193,10 @@ class _Lines:
             if state and now - self._progress_at >= PROGRESS_EVERY:
                 shown.append(state)
                 self._progress_at, self._progress_shown = now, state
-        elif len(self._pending) >= _MAX_LINE:
-            shown.append(self._pending)
+        if len(self._pending) >= _MAX_LINE:
+            text = _as_shown(self._pending)
+            if text is not None and text != self._progress_shown:
+                shown.append(text)
             self._pending = b""
         if shown:
             _write(self._out, b"".join(self._prefix + s + b"\n" for s in shown))

@@ -130,6 +130,15 @@ def test_lines_come_whole_and_a_redrawn_progress_line_shows_its_last_state():
     assert len(err_lines) <= 3  # the first state drawn, perhaps; then at most one per 5 s
 
 
+def test_a_line_without_end_is_passed_on_in_pieces():
+    # 1 MB and no newline: memory stays bounded, nothing is lost.
+    status, out, _, _ = run("import sys; sys.stdout.write('z' * 1_000_000)", 1)
+    pieces = out.splitlines()
+    assert status == 0 and len(pieces) > 1
+    assert all(p.startswith("[0] ") and len(p) <= 4 + 2 * 65536 for p in pieces)
+    assert "".join(p.removeprefix("[0] ") for p in pieces) == "z" * 1_000_000
+
+
 # --- a real jax.distributed program --------------------------------------------------------
 
 
