@@ -96,14 +96,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rr.add_distributed_flags(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    try:
-        with jax.numpy_dtype_promotion("strict"):  # precision is explicit in rudax code
-            return train(args, cfg.given_flags(parser, argv))
-    except UsageError as e:
-        parser.error(str(e))
-    except rr.TrainingHalted as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    # one of several processes that fails leaves at once, not at jax's exit barrier
+    with rr.fail_fast():
+        try:
+            with jax.numpy_dtype_promotion("strict"):  # precision is explicit in rudax code
+                return train(args, cfg.given_flags(parser, argv))
+        except UsageError as e:
+            parser.error(str(e))
+        except rr.TrainingHalted as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 def train(args: Any, given: set[str]) -> dict[str, Any]:

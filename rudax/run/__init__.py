@@ -19,6 +19,7 @@ imported it would make ``runpy`` warn that the module exists twice.
 # isort sorts them, and listed again in __all__.
 from rudax.run._distributed import DistributedError as DistributedError
 from rudax.run._distributed import add_distributed_flags as add_distributed_flags
+from rudax.run._distributed import fail_fast as fail_fast
 from rudax.run._distributed import initialize as initialize_distributed
 from rudax.run._distributed import initialize_from_flags as initialize_from_flags
 from rudax.run._halt import TrainingHalted as TrainingHalted
@@ -38,6 +39,7 @@ __all__ = [
     "add_distributed_flags",
     "check_finite",
     "check_loss",
+    "fail_fast",
     "initialize_distributed",
     "initialize_from_flags",
     "plot_losses",

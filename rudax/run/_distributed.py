@@ -22,16 +22,25 @@ script) is an error, not a silent single-process run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
+import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 
 import jax
 
 from rudax.run import _compat
 
-__all__ = ["DistributedError", "add_distributed_flags", "initialize", "initialize_from_flags"]
+__all__ = [
+    "DistributedError",
+    "add_distributed_flags",
+    "fail_fast",
+    "initialize",
+    "initialize_from_flags",
+]
 
 # The variables a launcher sets (JAX_COORDINATOR_ADDRESS is jax's own).
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -63,7 +72,9 @@ def initialize(
       timeout_s: how long to wait for every process to join, in seconds; a coordinator that
         cannot be reached fails after it, naming its address.
       heartbeat_timeout_s: how long the coordination service waits for a process that stops
-        answering (killed, its machine gone) before it ends the others, in seconds.
+        answering (killed, its machine gone) before it ends the others, in seconds. A
+        process that fails with a Python error is still answering: ``fail_fast`` makes it
+        leave.
 
     Returns:
       True if this process joined a multi-process run (or had already), False if it runs
@@ -186,6 +197,43 @@ def _flag_int(low: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+@contextlib.contextmanager
+def fail_fast() -> Iterator[None]:
+    """Around a multi-process program's body: a process that fails leaves at once.
+
+    A process that ends on an exception (a ``SystemExit`` with a non-zero code included) would
+    otherwise wait at jax's exit barrier for the others, answering the coordinator's
+    heartbeats, while they wait for it in their next collective: all of them hang for jax's
+    ``shutdown_timeout_seconds`` (300). Here it prints the error, flushes its output and ends
+    with ``os._exit``: it stops answering, and the others end after the heartbeat timeout (at
+    once if it was process 0). Alone (no ``jax.distributed``) the error is raised as usual.
+
+    Example:
+      >>> import rudax.run as rr
+      >>> with rr.fail_fast():  # launched alone: exceptions propagate as usual
+      ...     pass
+    """
+    try:
+        yield
+    except SystemExit as e:
+        if jax.distributed.is_initialized() and e.code not in (0, None):
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            _leave(e.code if isinstance(e.code, int) else 1)
+        raise
+    except BaseException:
+        if jax.distributed.is_initialized():
+            traceback.print_exc()
+            _leave(1)
+        raise
+
+
+def _leave(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _join(

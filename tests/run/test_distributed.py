@@ -97,3 +97,51 @@ def test_flags_parse_and_reach_initialize():
     for bad in (["--num-processes", "0"], ["--process-id", "-1"], ["--heartbeat-timeout", "x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+_FAILING = """
+import os, sys, time
+import jax, jax.numpy as jnp
+import rudax.run as rr
+rr.initialize_distributed(heartbeat_timeout_s=3)
+with rr.fail_fast():
+    if jax.process_index() == 1:
+        raise ValueError("process 1 is broken")
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    total = jax.jit(lambda x: x.sum())
+    x = jax.device_put(jnp.ones(jax.device_count()), jax.NamedSharding(mesh, jax.P("d")))
+    while True:  # waits for process 1 in each sum
+        total(x).block_until_ready()
+"""
+
+
+def test_fail_fast_ends_a_job_whose_process_raised_within_the_heartbeat(tmp_path):
+    # Without it process 1 stays at jax's exit barrier, answering heartbeats, and process 0
+    # waits for it in the sum: both hang for shutdown_timeout_seconds (300 s).
+    import os
+    import subprocess
+    import sys
+
+    from rudax.run.launch import child_env, free_port
+
+    port = free_port()
+    script = tmp_path / "failing.py"
+    script.write_text(_FAILING)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=child_env(i, processes=2, port=port, cpu_devices=1, base=dict(os.environ)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    start = time.monotonic()
+    try:
+        outs = [p.communicate(timeout=60)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert time.monotonic() - start < 45
+    assert procs[1].returncode == 1 and "ValueError: process 1 is broken" in outs[1]
+    assert procs[0].returncode != 0
