@@ -114,9 +114,45 @@ def _refuse_complex(owner: str, what: str, tree: Any, selected: Any = None) -> N
             )
 
 
-def _check_matrix(path: Any, x: Any, *, stacked: bool) -> None:
+class MatrixStorage:
+    """How Muon reads its leaves as matrices and orthogonalizes them: each array as it is.
+
+    Muon's update is elementwise except for Newton-Schulz, which needs each matrix whole.
+    ``rudax.optim.muon`` holds its matrices whole, one array per leaf (this class);
+    ``rudax.sharding.fsdp_muon`` gives a subclass for leaves stored as FSDP shards, which
+    gathers each matrix where it is orthogonalized. The elementwise steps (momentum, weight
+    decay, learning rate) run on whatever the storage is.
+    """
+
+    def is_leaf(self, x: Any) -> bool:
+        """Whether ``x`` is one leaf of Muon's (a node of several arrays may hold one matrix)."""
+        del x
+        return False
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        """The shape of the matrix (or stack of matrices, stack axes first) ``x`` holds."""
+        return tuple(jnp.shape(x))
+
+    def check(self, path: Any, x: Any) -> None:
+        """Raises a ValueError naming ``params{path}`` if Muon cannot take ``x`` as stored."""
+        del path, x
+
+    def orthogonalize(
+        self, tree: Any, newton_schulz: Callable[[jax.Array], jax.Array], dtype: Any
+    ) -> Any:
+        """``newton_schulz`` of each leaf's matrix (it casts to ``dtype`` first), as stored."""
+        del dtype
+        return jax.tree.map(newton_schulz, tree)
+
+
+WHOLE = MatrixStorage()
+
+
+def _check_matrix(path: Any, x: Any, *, stacked: bool, storage: MatrixStorage = WHOLE) -> None:
     """A ValueError naming a leaf Muon cannot take: not 2-D, or (stacked) of rank < 2."""
-    ndim = jnp.ndim(x)
+    storage.check(path, x)
+    shape = storage.shape(x)
+    ndim = len(shape)
     if ndim == 2 or (stacked and ndim > 2):
         return
     what = "2-D matrices and stacks of them" if stacked else "2-D matrices"
@@ -128,7 +164,7 @@ def _check_matrix(path: Any, x: Any, *, stacked: bool) -> None:
         )
     raise ValueError(
         f"Muon orthogonalizes {what}; params{jax.tree_util.keystr(path)} has shape "
-        f"{jnp.shape(x)}. Send it to the AdamW fallback with muon_mask{hint}."
+        f"{shape}. Send it to the AdamW fallback with muon_mask{hint}."
     )
 
 
@@ -226,6 +262,36 @@ def scale_by_muon(
       <https://kellerjordan.github.io/posts/muon/>`_, 2024; Liu et al., `Muon is Scalable for
       LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025; ``torch.optim.Muon``.
     """
+    return _scale_by_muon(
+        momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        ns_coefficients=ns_coefficients,
+        eps=eps,
+        adjust_lr_fn=adjust_lr_fn,
+        matrix_layout=matrix_layout,
+        stacked=stacked,
+        ns_dtype=ns_dtype,
+        moment_dtype=moment_dtype,
+        storage=WHOLE,
+    )
+
+
+def _scale_by_muon(
+    momentum: float | jax.Array = 0.95,
+    *,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float | jax.Array = 1e-7,
+    adjust_lr_fn: str | None = None,
+    matrix_layout: str = "in_out",
+    stacked: bool = False,
+    ns_dtype: DTypeLike = jnp.bfloat16,
+    moment_dtype: DTypeLike | None = None,
+    storage: MatrixStorage,
+) -> optax.GradientTransformation:
+    """scale_by_muon on the matrices ``storage`` reads (rudax.sharding.fsdp_muon's shards)."""
     check_not_injected(
         "scale_by_muon", dict(ns_steps=ns_steps, ns_dtype=ns_dtype, moment_dtype=moment_dtype)
     )
@@ -248,8 +314,11 @@ def scale_by_muon(
         raise TypeError(f"ns_dtype must be a floating dtype, got {ns_dtype=}")
     momentum, eps = as_weak(momentum), as_weak(eps)
     check_matrices = lambda tree: jax.tree_util.tree_map_with_path(
-        lambda path, x: _check_matrix(path, x, stacked=stacked), tree
+        lambda path, x: _check_matrix(path, x, stacked=stacked, storage=storage),
+        tree,
+        is_leaf=storage.is_leaf,
     )
+    newton_schulz = lambda m: _newton_schulz(m, coefficients, ns_steps, eps, ns_dtype)
 
     def init_fn(params: optax.Params) -> ScaleByMuonState:
         check_matrices(params)
@@ -262,12 +331,20 @@ def scale_by_muon(
         def leaf(g, buf):
             buf = momentum * buf + (1.0 - momentum) * g
             m = (1.0 - momentum) * g + momentum * buf if nesterov else buf
-            o = _newton_schulz(m, coefficients, ns_steps, eps, ns_dtype).astype(g.dtype)
-            return _lr_ratio(g.shape[-2:], adjust_lr_fn, matrix_layout) * o, buf
+            return m, buf
 
-        u, buf = map_in_compute_dtype(
+        # Elementwise on the storage; then Newton-Schulz, which needs each matrix whole, where
+        # the storage keeps it. m is in the compute dtype, u as well.
+        m, buf = map_in_compute_dtype(
             leaf, updates, state.momentum, owner="scale_by_muon", names=("momentum",)
         )
+        o = storage.orthogonalize(m, newton_schulz, ns_dtype)
+
+        def scaled(o_leaf, m_leaf):
+            ratio = _lr_ratio(storage.shape(m_leaf)[-2:], adjust_lr_fn, matrix_layout)
+            return jax.tree.map(lambda o, m: ratio * o.astype(m.dtype), o_leaf, m_leaf)
+
+        u = jax.tree.map(scaled, o, m, is_leaf=storage.is_leaf)
         return u, ScaleByMuonState(momentum=buf)
 
     tx = with_moment_dtype(
@@ -302,21 +379,27 @@ def _check_coefficients(value: Any) -> tuple[float, float, float]:
 MaskSpec = Any | Callable[[optax.Params], Any] | None
 
 
-def _muon_labels(muon_mask: MaskSpec, stacked: bool) -> Callable[[optax.Params], Any]:
+def _muon_labels(
+    muon_mask: MaskSpec, stacked: bool, storage: MatrixStorage
+) -> Callable[[optax.Params], Any]:
     """Turns muon_mask into optax.partition's labels ("muon" or "adamw", one per leaf).
 
     The mask is matched to the parameters by path, not by tree type, so a plain dict mask
-    works for ``nnx.State`` parameters; a mismatch names the first path that differs.
+    works for ``nnx.State`` parameters; a mismatch names the first path that differs. A leaf
+    is one of ``storage``'s (an FSDP ``ShardedParameter`` node counts as one): the labels are
+    then a prefix of the parameters' tree, which ``optax.partition`` takes.
     """
+    is_leaf = storage.is_leaf
 
     def labels(params):
         if muon_mask is None:
-            mask = jax.tree.map(lambda p: jnp.ndim(p) == 2, params)
+            mask = jax.tree.map(lambda p: len(storage.shape(p)) == 2, params, is_leaf=is_leaf)
         else:
             mask = muon_mask(params) if callable(muon_mask) else muon_mask
         keystr = jax.tree_util.keystr
-        by_path = {keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
-        param_paths = {keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        flat = jax.tree_util.tree_flatten_with_path
+        by_path = {keystr(k): v for k, v in flat(mask, is_leaf=is_leaf)[0]}
+        param_paths = {keystr(k) for k, _ in flat(params, is_leaf=is_leaf)[0]}
         extra = sorted(by_path.keys() - param_paths)
         if extra:
             raise ValueError(f"muon_mask{extra[0]} has no matching leaf in params")
@@ -326,13 +409,18 @@ def _muon_labels(muon_mask: MaskSpec, stacked: bool) -> Callable[[optax.Params],
             if key not in by_path:
                 raise ValueError(f"muon_mask has no entry for params{key}; it must match params")
             selected = by_path[key]
+            if is_leaf(selected):  # the mask mapped over a leaf's arrays, not over its leaves
+                raise TypeError(
+                    f"muon_mask{key} must be a bool, got a {type(selected).__name__}: map the "
+                    f"mask with is_leaf=lambda x: isinstance(x, {type(selected).__name__})"
+                )
             if not isinstance(selected, bool | np.bool_):
                 raise TypeError(f"muon_mask{key} must be a bool, got {selected!r}")
             if selected:
-                _check_matrix(path, p, stacked=stacked)
+                _check_matrix(path, p, stacked=stacked, storage=storage)
             return "muon" if selected else "adamw"
 
-        return jax.tree_util.tree_map_with_path(label, params)
+        return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_leaf)
 
     return labels
 
@@ -388,6 +476,10 @@ def muon(
 
     Complex parameters: a leaf sent to Muon must be real (a TypeError naming it, as
     ``torch.optim.Muon`` refuses them); a leaf sent to AdamW follows AdamW, on its real view.
+
+    **FSDP.** Parameters sharded by ``rudax.sharding`` (``ShardedParameter``: a flat 1/N of
+    each on each device) take ``rudax.sharding.fsdp_muon``, the same optimizer with the
+    same arguments plus the mesh: it orthogonalizes each matrix whole, on one device.
 
     Args:
       learning_rate: Muon's learning rate, a float >= 0 or a schedule of the update count.
@@ -458,8 +550,59 @@ def muon(
       ``torch.optim.AdamW``; Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
+    return _muon(
+        learning_rate,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        ns_coefficients=ns_coefficients,
+        eps=eps,
+        adjust_lr_fn=adjust_lr_fn,
+        matrix_layout=matrix_layout,
+        stacked=stacked,
+        muon_mask=muon_mask,
+        adamw_learning_rate=adamw_learning_rate,
+        adamw_b1=adamw_b1,
+        adamw_b2=adamw_b2,
+        adamw_eps=adamw_eps,
+        adamw_weight_decay=adamw_weight_decay,
+        ns_dtype=ns_dtype,
+        moment_dtype=moment_dtype,
+        mask=mask,
+        storage=WHOLE,
+        owner="muon",
+    )
+
+
+def _muon(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    weight_decay: float | jax.Array,
+    momentum: float | jax.Array,
+    nesterov: bool,
+    ns_steps: int,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float | jax.Array = 1e-7,
+    adjust_lr_fn: str | None = None,
+    matrix_layout: str = "in_out",
+    stacked: bool = False,
+    muon_mask: MaskSpec = None,
+    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+    adamw_b1: float | jax.Array = 0.9,
+    adamw_b2: float | jax.Array = 0.999,
+    adamw_eps: float | jax.Array = 1e-8,
+    adamw_weight_decay: float | jax.Array | None = None,
+    ns_dtype: DTypeLike = jnp.bfloat16,
+    moment_dtype: DTypeLike | None = None,
+    mask: DecayMask = None,
+    storage: MatrixStorage,
+    owner: str,
+) -> optax.GradientTransformation:
+    """muon on the matrices ``storage`` reads (``rudax.sharding.fsdp_muon``'s shards);
+    errors name ``owner``."""
     check_not_injected(
-        "muon",
+        owner,
         dict(
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
@@ -477,7 +620,7 @@ def muon(
     check_non_negative("adamw_eps", adamw_eps)
     if adamw_weight_decay is not None:
         check_non_negative("adamw_weight_decay", adamw_weight_decay)
-    direction = scale_by_muon(
+    direction = _scale_by_muon(
         momentum,
         nesterov=nesterov,
         ns_steps=ns_steps,
@@ -487,8 +630,9 @@ def muon(
         matrix_layout=matrix_layout,
         stacked=stacked,
         ns_dtype=ns_dtype,
+        storage=storage,
     )
-    labels = _muon_labels(muon_mask, stacked)
+    labels = _muon_labels(muon_mask, stacked, storage)
 
     def partitioned(decay_mask: DecayMask) -> optax.GradientTransformation:
         # moment_dtype=None inside: torch_chain and adamw apply it to their whole chains.
@@ -519,32 +663,41 @@ def muon(
     if mask is not None and not callable(mask):
         # Checked at construction too, so a typo fails before any data is loaded.
         for path, keep in jax.tree_util.tree_flatten_with_path(mask)[0]:
-            check_mask_leaf("muon", path, keep)
+            check_mask_leaf(owner, path, keep)
 
     def init_fn(params):
-        _refuse_complex("muon", "parameter", params, _to_muon(labels, params))
+        _refuse_complex(owner, "parameter", params, _to_muon(labels, params, storage))
         return plain.init(params)
 
     def update_fn(updates, state, params=None, **extra_args):
         # Before the partition: its masks are built from the gradients' tree.
-        check_gradients("muon", updates, params)
-        selected = _to_muon(labels, updates)
-        _refuse_complex("muon", "gradient", updates, selected)
+        check_gradients(owner, updates, params)
+        selected = _to_muon(labels, updates, storage)
+        _refuse_complex(owner, "gradient", updates, selected)
         if params is not None:
-            _refuse_complex("muon", "parameter", params, selected)
+            _refuse_complex(owner, "parameter", params, selected)
         if mask is None or params is None:
             tx = plain
         else:
             # Resolved here, on the whole tree: inside the partition each part sees the
             # parameters with the other part's leaves masked out, which a callable of the
             # parameters should not have to handle. One bool per leaf serves both parts.
-            flags = decay_flags(mask, params, owner="muon")
-            tx = partitioned(jax.tree.structure(params).unflatten(flags))
+            flags = iter(decay_flags(mask, params, owner=owner))
+            # One bool per storage leaf (a ShardedParameter, not its array), a prefix of the
+            # parameters' tree as the partition's labels are: the part that does not take a
+            # leaf sees it masked out whole.
+            leaves, treedef = jax.tree.flatten(params, is_leaf=storage.is_leaf)
+            per_leaf = [all([next(flags) for _ in jax.tree.leaves(x)]) for x in leaves]
+            tx = partitioned(treedef.unflatten(per_leaf))
         return tx.update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _to_muon(labels: Callable[[optax.Params], Any], tree: Any) -> Any:
-    """True where ``labels`` sends a leaf to Muon, False where to AdamW."""
-    return jax.tree.map(lambda label: label == "muon", labels(tree))
+def _to_muon(labels: Callable[[optax.Params], Any], tree: Any, storage: MatrixStorage) -> Any:
+    """True where ``labels`` sends a leaf to Muon, False where to AdamW: one bool per array
+    leaf of ``tree`` (a storage leaf's label covers each of its arrays)."""
+    flags = jax.tree.map(lambda label: label == "muon", labels(tree))
+    return jax.tree.map(
+        lambda flag, sub: jax.tree.map(lambda _: flag, sub), flags, tree, is_leaf=storage.is_leaf
+    )
