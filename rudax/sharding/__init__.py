@@ -25,6 +25,11 @@ from rudax.sharding._fsdp import shard_specs as shard_specs
 
 # [block: memory]
 from rudax.sharding._memory import bytes_per_device as bytes_per_device
+
+# [block: muon]
+from rudax.sharding._muon import fsdp_muon as fsdp_muon
+
+# [block: sharded_parameter]
 from rudax.sharding._sharded_parameter import ShardedParameter as ShardedParameter
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "ShardingContext",
     "bytes_per_device",
     "collectives",
+    "fsdp_muon",
     "shard_specs",
     "vary_like",
     "varying_axes",
