@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import rudax.checkpoint as rc
@@ -70,6 +71,7 @@ import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
 from examples.finetune import instructions
+from examples.finetune import mesh as mesh_
 from examples.finetune.cli import HelpFormatter, UsageError, given_flags
 from examples.finetune.data import BaseTokenizer, FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
@@ -92,6 +94,12 @@ SESSION_FLAGS = (
     "run_dir",
     "remat",
     "sample_tokens",
+    # rudax.run.add_distributed_flags': where this session's processes meet
+    "coordinator",
+    "num_processes",
+    "process_id",
+    "distributed_timeout",
+    "heartbeat_timeout",
 )
 # Where the base and the data are: a resumed run may find them elsewhere (their contents are
 # what is checked: the base's digest and the data's identity), and takes the run's if not given.
@@ -173,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--rank", type=int, default=8, help="LoRA rank")
     model.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha/rank)")
     model.add_argument("--dropout", type=float, default=0.05, help="dropout on adapter inputs")
+    model.add_argument(
+        "--mesh",
+        type=mesh_.parse_mesh,
+        help="spread each step over devices, e.g. data=2,fsdp=4: rows split over both, the "
+        "base, adapters and moments stored 1/fsdp per device (examples/finetune/mesh.py); "
+        "the product is the device count of the run (all its processes)",
+    )
     opt = p.add_argument_group("optimizer and loop (run flags)")
     opt.add_argument("--steps", type=int, default=40, help="optimizer updates")
     opt.add_argument("--batch-size", type=int, default=8, help="rows per microbatch")
@@ -185,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--eval-batches", type=int, default=8, help="validation batches (at most)")
     opt.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
     opt.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    rr.add_distributed_flags(p)
     return p
 
 
@@ -193,19 +209,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    try:
-        with jax.numpy_dtype_promotion("strict"):
-            return finetune(args, given_flags(parser, argv))
-    except UsageError as e:
-        parser.error(str(e))
-    except rr.TrainingHalted as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    # one of several processes that fails leaves at once, not at jax's exit barrier
+    with rr.fail_fast():
+        try:
+            with jax.numpy_dtype_promotion("strict"):
+                return finetune(args, given_flags(parser, argv))
+        except UsageError as e:
+            parser.error(str(e))
+        except rr.TrainingHalted as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring. ``given``: the flags on the
     command line (None: those that differ from their defaults)."""
+    # --------------------------------------------------------------------------- processes
+    # First, before anything starts a JAX backend.
+    try:
+        multi = rr.initialize_from_flags(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if multi and not (args.run_dir or args.name):
+        # the default name is the time, which each process reads for itself
+        raise UsageError("several processes write one run: give it a --name or --run-dir")
+
     # --------------------------------------------------------------------------- config
     run_dir = _run_dir(args)
     if args.resume:
@@ -217,7 +245,21 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     base_dir = _base_dir(args.base)
     train_path, val_path, generated = _data_paths(args)
     too_long = args.too_long or ("drop" if generated else "error")
+    if multi and not args.mesh:
+        raise UsageError(
+            "several processes tune one model over a mesh of all their devices: give --mesh "
+            "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
+        )
     rr.retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
+    try:
+        mesh = None if not args.mesh else mesh_.make_mesh(args.mesh, multi=multi)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if multi:  # every process has checked the run directory before any writes to it
+        multihost_utils.sync_global_devices("examples.finetune: checked")
+    # Process 0 writes the run's files, logs and prints.
+    primary = jax.process_index() == 0
+    say = print if primary else lambda *a, **k: None
 
     # --------------------------------------------------------------------------- data
     try:
@@ -244,7 +286,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     val_batches = [] if val_data is None else val_data.eval_batches()[: args.eval_batches]
     for name, data in (("--data", train_data), ("--val-data", val_data)):
         if data is not None and data.dropped:
-            print(
+            say(
                 f"{name} {data.path}: {len(data.dropped)} examples longer than --seq-len "
                 f"{args.seq_len} left out (--too-long drop)"
             )
@@ -273,11 +315,21 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         raise UsageError(f"--targets {','.join(args.targets)}: {e}") from e
     # Stacked once, after the adapters are on: the scan then reads the layers as stored.
     model.scan_layers = args.scan_layers
-    model.eval()
-    eval_def = nnx.graphdef(model)  # dropout off
-    model.train()
-    graphdef, adapters, rngs, base = nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
+    # Over a mesh with fsdp, the model the step holds is sharded; `model` keeps the whole one
+    # (its arrays shared until sharded) for sampling and for the adapter file.
+    trained = model if mesh is None else mesh_.shard(model, mesh)
+    trained.eval()
+    eval_def = nnx.graphdef(trained)  # dropout off
+    trained.train()
+    graphdef, adapters, rngs, base = nnx.split(trained, rl.LoRAParam, nnx.RngState, ...)
+    if mesh is not None:
+        adapters, rngs, base = mesh_.place((adapters, rngs, base), mesh)
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(base))
+    # what one device holds of it (the whole, or 1/fsdp of each weight plus padding)
+    base_device_bytes = sum(
+        x.addressable_shards[0].data.nbytes if isinstance(x, jax.Array) else x.nbytes
+        for x in jax.tree.leaves(base)
+    )
     n_adapters = sum(x.size for x in jax.tree.leaves(adapters))
 
     # --------------------------------------------------------------------------- optimizer
@@ -287,14 +339,21 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     tx = optax.chain(ro.clip_by_global_norm(args.clip), ro.adamw(schedule, weight_decay=0.0))
     opt_state = tx.init(adapters)
     acc = ro.GradientAccumulator.init(adapters, jnp.float32)
+    if mesh is not None:
+        opt_state, acc = mesh_.place((opt_state, acc), mesh)
 
     # --------------------------------------------------------------------------- step
-    micro, apply, evaluate = make_steps(graphdef, eval_def, tx)
+    if mesh is None:
+        micro, apply, evaluate = make_steps(graphdef, eval_def, tx)
+        put: Any = lambda batch: batch
+    else:
+        micro, apply, evaluate = mesh_.make_steps(graphdef, eval_def, tx, mesh)
+        put = lambda batch: mesh_.put_batch(batch, mesh)
 
     def val_loss() -> float | None:
         if not val_batches:
             return None
-        ms = jax.device_get([evaluate(adapters, rngs, base, b) for b in val_batches])
+        ms = jax.device_get([evaluate(adapters, rngs, base, put(b)) for b in val_batches])
         return sum(float(m["ce_sum"]) for m in ms) / max(1, sum(int(m["tokens"]) for m in ms))
 
     # --------------------------------------------------------------------------- checkpoint
@@ -308,7 +367,10 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     run_config = {k: v for k, v in vars(args).items() if k not in SESSION_FLAGS + PLACES} | identity
     if args.resume:
         _check_identity(run_dir, identity)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if multi:
+        multihost_utils.sync_global_devices("examples.finetune: run directory")
     record = lambda step: rc.TrainingRecord.capture(
         model={"adapters": adapters, "rngs": rngs},
         optimizer=opt_state,
@@ -320,7 +382,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     checkpointer = _checkpointer(run_dir, keep=args.keep)
     resumed = args.resume and checkpointer.latest_step() is not None
     if args.resume and not resumed:
-        print(f"--resume: {run_dir} has no checkpoint yet: starting from update 0")
+        say(f"--resume: {run_dir} has no checkpoint yet: starting from update 0")
     if resumed:
         try:
             restored = _restore(checkpointer, record(0), run_dir)
@@ -329,30 +391,41 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             raise
         adapters, rngs = restored.model["adapters"], restored.model["rngs"]
         opt_state, acc, step = restored.optimizer, restored.accumulator, restored.state["step"]
-        print(f"resumed {run_dir} at update {step} of {args.steps}")
+        say(f"resumed {run_dir} at update {step} of {args.steps}")
     # Written once every check has passed: a refused --resume leaves the run as it was.
     saved = {**vars(args), **identity, "base": str(base_dir)}
-    (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+    if primary:
+        (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
 
     samples: dict[int, str] = {}
     sample_data = train_data if val_data is None else val_data
-    if step == 0 and args.sample_tokens:
+    if step == 0 and args.sample_tokens and primary:
         samples[0] = _sample(model, tokenizer, sample_data, args.sample_tokens, "before training")
 
     # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
-    log = rr.MetricsLog(
-        run_dir / "metrics.jsonl", resume_step=step if resumed else -1 if args.resume else None
+    log: rr.MetricsLog | _Unlogged = (
+        rr.MetricsLog(
+            run_dir / "metrics.jsonl", resume_step=step if resumed else -1 if args.resume else None
+        )
+        if primary
+        else _Unlogged(run_dir / "metrics.jsonl")
     )
-    print(
+    where = ""
+    if mesh is not None:
+        where = (
+            f" over mesh {mesh_.mesh_text(args.mesh)} ({jax.process_count()} process(es); "
+            f"{base_device_bytes:,} base bytes per device)"
+        )
+    say(
         f"{base_dir}: {n_base:,} base parameters in {base_bytes:,} bytes "
         f"({'NF4' if quantize else args.param_dtype}); LoRA r={args.rank} on {len(adapted)} "
         f"layers: {n_adapters:,} trained. {train_data.num_examples} examples "
-        f"({train_data.path}), updates {step + 1} to {stop} of {args.steps}"
+        f"({train_data.path}), updates {step + 1} to {stop} of {args.steps}{where}"
     )
     if step == 0:
         log.write(kind="eval", step=0, val_loss=val_loss())
-    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True)
+    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True, disable=not primary)
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
     clock, timed = None, 0
     try:
@@ -362,7 +435,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             for a in range(args.grad_accum):
                 batch = train_data.batch((step - 1) * args.grad_accum + a)
                 real += int(np.count_nonzero(batch["segment_ids"]))  # tokens, not padding
-                acc, rngs, m = micro(adapters, rngs, acc, base, batch)
+                acc, rngs, m = micro(adapters, rngs, acc, base, put(batch))
                 window.append(m)
             adapters, opt_state, acc, norm = apply(adapters, opt_state, acc)
             window, norm = jax.device_get((window, norm))  # waits for the update
@@ -390,7 +463,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             if step % args.eval_every == 0 or step == args.steps:
                 last["val_loss"] = val_loss()
                 log.write(kind="eval", step=step, val_loss=last["val_loss"])
-                bar.write(
+                (bar.write if primary else say)(
                     f"update {step}: train loss {loss:.4f}, val loss {_show(last['val_loss'])}"
                 )
                 paused = True
@@ -410,29 +483,32 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     # --------------------------------------------------------------------------- output
     log.close()
     plot = run_dir / "loss.png"
-    rr.plot_losses(
-        rr.read_metrics(log.path), plot, title=f"{run_dir.name}: LoRA r={args.rank} on {base_dir}"
-    )
+    if primary:
+        title = f"{run_dir.name}: LoRA r={args.rank} on {base_dir}"
+        rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
     result: dict[str, Any] = {
         "run_dir": str(run_dir),
         "step": step,
         "base_sha256": base_digest,
         "base_bytes": base_bytes,
+        "base_device_bytes": base_device_bytes,
         "adapted": adapted,
         "samples": samples,
         **last,
     }
     if step < args.steps:
-        print(
-            f"stopped at update {step} of {args.steps}; continue with --resume --run-dir {run_dir}"
-        )
+        say(f"stopped at update {step} of {args.steps}; continue with --resume --run-dir {run_dir}")
         return result
-    nnx.update(model, adapters, rngs)
-    if args.sample_tokens:
+    nnx.update(trained, adapters, rngs)
+    if mesh is not None:
+        mesh_.gather_into(model, trained)  # the adapters whole, on every process
+    if args.sample_tokens and primary:
         samples[step] = _sample(model, tokenizer, sample_data, args.sample_tokens, f"update {step}")
     model.eval()
     model.scan_layers = False  # peft's files name each layer's adapters (converted in place)
     out = _adapter_dir(args, run_dir)
+    if not primary:  # process 0 writes the adapter (and the merged model)
+        return result | {"adapter": str(out), "model": model}
     rl.save_adapter(model, out, base_model_name_or_path=str(base_dir))
     if args.merged:
         merged = nnx.clone(model)  # the returned model keeps its adapters
@@ -483,6 +559,19 @@ def make_steps(
         return loss(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
 
     return micro, apply, evaluate
+
+
+class _Unlogged:
+    """The metrics log of a process other than 0: process 0 writes the run's one log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, **row: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _sample(

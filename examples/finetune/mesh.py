@@ -1,0 +1,216 @@
+"""``examples.finetune --mesh data=D,fsdp=F``: the fine-tuning step over a mesh of devices, of
+one process or of several (``jax.distributed``).
+
+- ``data``: the batch's rows are split over it; every device holds the whole model.
+- ``fsdp``: the rows are split over it too, and the model is stored sharded
+  (``rudax.models.shard``): each device holds ``1/F`` of every base weight (the NF4 codes and
+  scales of a QLoRA base), of the adapters and of their AdamW moments, and gathers one layer's
+  weights at a time inside the step; the gradients come back reduce-scattered onto the shards.
+
+The step is the one-device step inside ``jax.shard_map``: each device computes the summed loss
+of its rows, the sums are added across the mesh and their gradient divided by the counted
+tokens of the whole window (``rudax.optim.GradientAccumulator``), so the update is the
+one-device update of the same global batch, up to the order of the float sums. Dropout masks
+are drawn per device (the adapters' RNG key folded with the device's place in the mesh): with
+``--dropout 0`` a run over a mesh trains the one-device run's losses (``tests/finetune/
+test_mesh.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import rudax.layers as rl
+import rudax.models as rm
+import rudax.sharding as rs
+
+AXES = ("data", "fsdp")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}`` (an argparse ``type=``)."""
+    spec: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = part.strip().partition("=")
+        if not sep or name not in AXES or name in spec or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected axis=size pairs with axes {AXES} and sizes >= 1, e.g. data=2,fsdp=4; "
+                f"got {text!r}"
+            )
+        spec[name] = int(size)
+    return {name: spec[name] for name in AXES if name in spec}
+
+
+def mesh_text(spec: dict[str, int]) -> str:
+    """``{"data": 2, "fsdp": 4}`` -> ``"data=2,fsdp=4"``."""
+    return ",".join(f"{k}={v}" for k, v in spec.items())
+
+
+def make_mesh(spec: dict[str, int], *, multi: bool) -> Mesh:
+    """The mesh of ``--mesh``: this process's devices alone (that many CPU devices simulated if
+    JAX has not started), or every process's, in process order so that process ``p``'s devices
+    take a contiguous block of the batch's rows. ValueError if the device count differs."""
+    n = math.prod(spec.values())
+    if not multi:
+        try:  # before the backend starts; afterwards the device count is what it is
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass
+    if jax.device_count() != n:
+        raise ValueError(
+            f"--mesh {mesh_text(spec)} needs {n} devices, the run has {jax.device_count()} "
+            f"({jax.process_count()} process(es), {jax.devices()[0].platform})"
+        )
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices).reshape(tuple(spec.values())), tuple(spec))
+
+
+def shard(model: rm.LlamaForCausalLM, mesh: Mesh) -> rm.LlamaForCausalLM:
+    """The model as the step holds it: FSDP over ``fsdp`` if the mesh has it, else ``model``."""
+    if "fsdp" not in mesh.axis_names:
+        return model
+    return rm.shard(model, rs.ShardingContext(mesh, "fsdp"))
+
+
+def specs(tree: Any, mesh: Mesh) -> Any:
+    """Each leaf's ``PartitionSpec``: FSDP storage split over ``fsdp``, the rest replicated."""
+    if "fsdp" not in mesh.axis_names:
+        return jax.tree.map(lambda _: P(), tree)
+    return rs.shard_specs(tree, "fsdp")
+
+
+def place(tree: Any, mesh: Mesh) -> Any:
+    """``tree``'s arrays on the mesh as ``specs`` says."""
+    return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh)))
+
+
+def put_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """The global batch's arrays with their rows split over every mesh axis; this process
+    places only its own rows (``mesh``'s devices are in process order)."""
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    p, n = jax.process_index(), jax.process_count()
+    out = {}
+    for key, rows in batch.items():
+        b = rows.shape[0] // n
+        out[key] = jax.make_array_from_process_local_data(
+            sharding, rows[p * b : (p + 1) * b], rows.shape
+        )
+    return out
+
+
+def make_steps(
+    graphdef: nnx.GraphDef, eval_def: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Mesh
+) -> tuple[Any, Any, Any]:
+    """``examples.finetune.train.make_steps``'s ``(micro, apply, evaluate)``, same signatures,
+    over ``mesh``: the state placed by ``place``, the batch by ``put_batch``."""
+    axes = tuple(mesh.axis_names)
+    per_device = P(axes)
+
+    def device_index() -> jax.Array:
+        index = jnp.int32(0)
+        for name in axes:  # row-major over the mesh, as the batch's rows are split
+            index = index * mesh.shape[name] + jax.lax.axis_index(name)
+        return index
+
+    def own_keys(rngs: Any) -> Any:
+        # a key per device: each device's rows get masks of their own
+        index = device_index()
+        return jax.tree.map(
+            lambda v: (
+                v.replace(jax.random.fold_in(v.get_value(), index))
+                if isinstance(v, nnx.RngKey)
+                else v
+            ),
+            rngs,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
+
+    def sharded(definition: nnx.GraphDef) -> Any:
+        def local(adapters: Any, rngs: Any, base: Any, batch: Any) -> Any:
+            model = nnx.merge(definition, adapters, own_keys(rngs), base)
+            loss, metrics = rm.causal_lm_loss_sum(model, batch)
+            # the counts advanced alike on every device; the keys go back as they came
+            after = jax.tree.map(
+                lambda new, old: old if isinstance(old, nnx.RngKey) else new,
+                nnx.state(model, nnx.RngState),
+                rngs,
+                is_leaf=lambda v: isinstance(v, nnx.Variable),
+            )
+            return jax.tree.map(lambda x: x[None], (loss, metrics)), after
+
+        def run(adapters: Any, rngs: Any, base: Any, batch: Any) -> Any:
+            (loss, metrics), rngs = jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=(specs(adapters, mesh), P(), specs(base, mesh), per_device),
+                out_specs=(per_device, P()),
+            )(adapters, rngs, base, batch)
+            summed = {
+                "tokens": jnp.sum(metrics["tokens"]),
+                "ce_sum": jnp.sum(metrics["ce_sum"]),
+                "aux_loss": jnp.mean(metrics["aux_loss"]),
+            }
+            return jnp.sum(loss), (summed, rngs)
+
+        return run
+
+    train_run, eval_run = sharded(graphdef), sharded(eval_def)
+
+    def constrain(tree: Any) -> Any:
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh))
+        return jax.lax.with_sharding_constraint(tree, shardings)
+
+    @jax.jit
+    def micro(adapters, rngs, acc, base, batch):
+        grad = jax.value_and_grad(train_run, has_aux=True)
+        (_, (metrics, rngs)), grads = grad(adapters, rngs, base, batch)
+        return acc.add(grads, weight=metrics["tokens"]), rngs, metrics
+
+    @jax.jit
+    def apply(adapters, opt_state, acc):
+        grads, acc = acc.pop(normalize=True)
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        adapters = optax.apply_updates(adapters, updates)
+        norm = optax.tree.norm(grads)
+        # fresh zeros (the emptied accumulator) would come out replicated: keep the placement
+        return (*constrain((adapters, opt_state, acc)), norm)
+
+    @jax.jit
+    def evaluate(adapters, rngs, base, batch):
+        return eval_run(adapters, rngs, base, batch)[1][0]
+
+    return micro, apply, evaluate
+
+
+def gather_into(model: rm.LlamaForCausalLM, sharded: rm.LlamaForCausalLM) -> None:
+    """Writes the adapters of ``sharded`` (``shard(model, mesh)``, trained) back into
+    ``model``, whole, on every process: for saving them and for generating with the model."""
+    if sharded is model:
+        return
+    for path, node in nnx.iter_graph(sharded):
+        if not isinstance(node, rs.ShardedModule):
+            continue
+        layer: Any = model
+        for key in path:
+            layer = layer[key] if isinstance(key, int) else getattr(layer, key)
+        flat = dict(nnx.to_flat_state(nnx.state(layer, rl.LoRAParam)))
+        for var_path, var in zip(node.paths, node.variables, strict=True):
+            if var_path not in flat:
+                continue  # a base weight: never trained
+            held = var.get_value()
+            storage = multihost_utils.process_allgather(held.local, tiled=True)
+            whole = np.asarray(storage)[..., : held.size]
+            value = whole.reshape(*whole.shape[:-1], *held.logical_shape)
+            target = flat[var_path]
+            target.set_value(jnp.asarray(value, target.get_value().dtype))

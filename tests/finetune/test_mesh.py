@@ -1,0 +1,113 @@
+"""examples.finetune over a mesh (``examples/finetune/mesh.py``): on 8 devices, data parallel
+and FSDP, one process or two, it trains the one-device run's losses; the NF4 base is stored
+1/fsdp per device.
+
+Batch size 8: one row per device. ``--dropout 0``: over a mesh each device draws its own masks,
+so only without dropout is the one-device run the reference.
+"""
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from examples.finetune.train import main
+from rudax.run.launch import launch
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+
+FLAGS = [
+    *("--seq-len", "64", "--batch-size", "8", "--steps", "4", "--warmup", "1"),
+    *("--lr", "1e-2", "--eval-every", "2", "--checkpoint-every", "2", "--eval-batches", "2"),
+    *("--dropout", "0", "--sample-tokens", "0"),
+]
+
+
+def _flags(base_dir, data_files, run_dir, *extra):
+    train, val = data_files
+    return [
+        *("--base", str(base_dir), "--data", str(train), "--val-data", str(val)),
+        *("--run-dir", str(run_dir), *FLAGS, *extra),
+    ]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("tokens_per_s", None)  # the machine's, not the run's
+    return rows
+
+
+@pytest.fixture(scope="module")
+def one_device(base_dir, data_files, tmp_path_factory):
+    run = tmp_path_factory.mktemp("one") / "run"
+    out = main(_flags(base_dir, data_files, run))
+    return out, _rows(run)
+
+
+def _assert_close(got: list[dict], want: list[dict], rtol: float) -> None:
+    assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "val_loss", "grad_norm"):
+            if w.get(key) is not None:
+                np.testing.assert_allclose(g[key], w[key], rtol=rtol, err_msg=f"{key} {w}")
+        assert g.get("counted_tokens") == w.get("counted_tokens")
+
+
+@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=4", "fsdp=8"])
+def test_a_mesh_trains_the_one_device_losses(base_dir, data_files, tmp_path, one_device, mesh):
+    want_out, want = one_device
+    out = main(_flags(base_dir, data_files, tmp_path / "run", "--mesh", mesh))
+    # fp32 sums in another order (each device's rows, then across devices)
+    _assert_close(_rows(tmp_path / "run"), want, rtol=2e-5)
+    fsdp = int(mesh.split("fsdp=")[1]) if "fsdp=" in mesh else 1
+    # every base array split 1/fsdp (its padding: under one 64-block per weight and device)
+    assert out["base_device_bytes"] <= out["base_bytes"] / fsdp + 4096
+    assert out["base_device_bytes"] >= out["base_bytes"] / fsdp
+    # the adapters came back whole: the same file as the one-device run's, within rounding
+    got = rl_state(Path(out["adapter"]))
+    ref = rl_state(Path(want_out["adapter"]))
+    assert got.keys() == ref.keys()
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def rl_state(adapter_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def _launch(processes: int, args: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    code = launch(
+        [sys.executable, "-m", "examples.finetune", *args],
+        processes=processes,
+        cpu_devices=8 // processes,
+        timeout=300,
+        env=env,
+        stdout=out,
+        stderr=out,
+    )
+    return code, out.getvalue()
+
+
+def test_two_processes_fsdp_then_resumed_on_one(base_dir, data_files, tmp_path, one_device):
+    _, want = one_device
+    flags = _flags(base_dir, data_files, tmp_path / "run", "--mesh", "data=2,fsdp=4")
+    code, out = _launch(2, [*flags, "--stop-at", "2"])
+    assert code == 0, out
+    assert "over mesh data=2,fsdp=4 (2 process(es)" in out
+    assert "[1] update" not in out  # process 0 alone prints
+    code, out = _launch(1, [*flags, "--resume"])
+    assert code == 0, out
+    _assert_close(_rows(tmp_path / "run"), want, rtol=2e-5)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
