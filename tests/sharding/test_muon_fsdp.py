@@ -157,8 +157,8 @@ def test_llama_steps_equal_one_device_muon(layers, scan):
 def _edge_tree():
     """More matrices of a shape than devices (17, a leftover of 1) and fewer (2), a tall and
     a wide one, a matrix of 6 elements (< 8 shards: two shards hold only padding), an empty
-    one, a stack of 3 layers whose matrices are themselves stacks (2, 11, 5), and two leaves
-    AdamW steps: a vector and a whole (unsharded) array."""
+    one, a stack of 3 layers whose matrices are themselves stacks (2, 11, 5), and a vector
+    AdamW steps, kept whole (not a ShardedParameter)."""
     rng = np.random.default_rng(1)
     shapes = {f"a{i:02d}": (7, 5) for i in range(17)}
     shapes |= {"tall0": (13, 9), "tall1": (13, 9), "wide": (9, 13), "tiny": (2, 3),
@@ -200,6 +200,19 @@ def test_leftovers_padding_and_stacks_equal_one_device(mesh_kind, ns_dtype):
     (momentum,) = [s.momentum for s in muon_state]
     shards = mesh.shape[AX]
     assert momentum["a00"].local.addressable_shards[0].data.shape == (math.ceil(35 / shards),)
+
+
+def test_an_fsdp_axis_of_one_device():
+    """The trainer shards whenever its mesh has an ``fsdp`` axis, of size 1 too."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]).reshape(N, 1), ("data", AX))
+    full = {"w": jax.random.normal(jax.random.key(0), (6, 5)), "stack": jnp.ones((3, 4, 5))}
+    params = {k: SP.from_full(x, mesh, AX, stacked=k == "stack") for k, x in full.items()}
+    tx = rs.fsdp_muon(LR, mesh=mesh, stacked=True, ns_dtype=jnp.float32)
+    updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
+    ref = ro.muon(LR, stacked=True, ns_dtype=jnp.float32)
+    want, _ = ref.update(full, ref.init(full), full)
+    for k in full:
+        np.testing.assert_allclose(updates[k].unshard(), want[k], **TOL, err_msg=k)
 
 
 # --------------------------------------------------------------------- the work is divided
@@ -286,7 +299,7 @@ def test_train_steps_on_fsdp_gradients_equal_one_device():
     same jit; the one-device model and ro.muon on the same batches. The gradients themselves
     differ in rounding (test_shard: rtol 1e-4), so the tolerance is theirs."""
     mesh = _mesh()
-    model = _llama(2)
+    model = _llama(1)
     sharded = shard(model, rs.ShardingContext(mesh, AX))
     rng = np.random.default_rng(0)
     batches = [
@@ -328,7 +341,7 @@ def test_train_steps_on_fsdp_gradients_equal_one_device():
             for path, var in zip(node.paths, node.variables, strict=True):
                 values[(*prefix, *path)] = var.get_value().unshard()
     flat = nnx.to_flat_state(nnx.state(want, nnx.Param))
-    assert len(flat) == 20 and set(dict(flat)) <= set(values)  # 9 a layer, table, final norm
+    assert len(flat) == 11 and set(dict(flat)) <= set(values)  # 9 a layer, table, final norm
     q = ("model", "layers", 0, "self_attn", "q_proj", "kernel")
     start = np.asarray(model.model.layers[0].self_attn.q_proj.kernel)
     assert np.max(np.abs(values[q] - start)) > 1e-2  # trained: Muon moved it
