@@ -384,11 +384,6 @@ def check(args: argparse.Namespace) -> None:
             f"--top-k must be <= --num-experts, got {args.top_k=}, {args.num_experts=}"
         )
     mesh = args.mesh or {}
-    if args.optimizer == "muon" and mesh.get("fsdp", 1) > 1:
-        raise UsageError(
-            "--optimizer muon orthogonalizes whole matrices; with fsdp > 1 each device holds a "
-            f"flat slice of each: use a data-only mesh or adamw (got --mesh {mesh_text(mesh)})"
-        )
     devices = math.prod(mesh.values()) if mesh else 1
     if args.batch_size % devices:
         raise UsageError(

@@ -22,6 +22,7 @@ runs outside the shard_map, where the global gradient norm is the norm of the gl
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -159,7 +160,9 @@ def _matrix_rank(path: str, leaf: Any) -> int:
     return jnp.ndim(leaf) - path.startswith("['model']['layers']['")
 
 
-def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+def make_optimizer(
+    args: argparse.Namespace, mesh: Mesh | None = None
+) -> optax.GradientTransformation:
     """The update rule of ``--optimizer``, with clipping and fp32 masters of the bf16 storage.
 
     Decoupled weight decay (``--weight-decay``) shrinks only what :func:`decay_mask` selects,
@@ -172,6 +175,8 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
       Jordan's modded-nanogpt splits them; both decay by ``decay_mask``. On the dense model
       AdamW's leaves are the embedding and the norms, so it decays nothing, as modded-nanogpt's
       Adam; with ``--moe`` the router and the experts decay as the dense MLP's matrices do.
+      Over a ``mesh`` with an ``fsdp`` axis it is ``rudax.sharding.fsdp_muon``: the same
+      update on the sharded parameters, each matrix orthogonalized on one device.
     * ``fused_adamw``: ``rudax.optim.fused_adamw(mask=decay_mask)``, clipping and masters
       built in.
     """
@@ -184,16 +189,21 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
     if args.optimizer == "adamw":
         inner = ro.adamw(lr, weight_decay=args.weight_decay, mask=decay_mask, **adam)
     else:
-        # embed: the token table and an untied head's; block_sparse_moe.gate: a router
+        # the token table and the head's (tied or not), and a router, go to AdamW. By path
+        # prefix: FSDP lists a sharded layer's variables as ['variables'][i], without their
+        # attribute names ("embedding"), under the layer's own path.
+        tables = ("['model']['embed_tokens']", "['lm_head']")
         matrices = lambda params: _labels(
             params,
             lambda path, x: (
                 _matrix_rank(path, x) == 2
-                and "embed" not in path
+                and not path.startswith(tables)
                 and "['block_sparse_moe']['gate']" not in path
             ),
         )
-        inner = ro.muon(
+        sharded = mesh is not None and "fsdp" in mesh.axis_names
+        muon = functools.partial(rs.fsdp_muon, mesh=mesh, axis_name="fsdp") if sharded else ro.muon
+        inner = muon(
             make_schedule(args, args.muon_lr),
             weight_decay=args.weight_decay,
             muon_mask=matrices,

@@ -243,7 +243,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         params = _init_from(init_from, params)
 
     # --------------------------------------------------------------------------- optimizer
-    tx = make_optimizer(args)
+    tx = make_optimizer(args, mesh)
     lr_at = jax.jit(make_schedule(args, args.lr))  # the lr of update s is lr_at(s - 1)
     opt_state = place(jax.jit(tx.init)(params), mesh)
     acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32), mesh)

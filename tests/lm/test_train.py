@@ -124,18 +124,24 @@ def test_init_from_reads_the_weights_and_never_writes_the_source(straight, tmp_p
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_mesh_data2_fsdp4_matches_one_device(data, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_mesh_data2_fsdp4_matches_one_device(data, tmp_path, optimizer):
+    # muon over fsdp: rudax.sharding.fsdp_muon, each matrix orthogonalized on one device
     fp32 = ["--param-dtype", "float32", "--compute-dtype", "float32", "--eval-every", "8"]
-    flags = [*data, *TINY, *fp32, "--optimizer", "adamw", "--checkpoint-every", "8"]
+    flags = [*data, *TINY, *fp32, "--optimizer", optimizer, "--checkpoint-every", "8"]
     one = train.main([*flags, "--run-dir", str(tmp_path / "one")])
     mesh = train.main([*flags, "--mesh", "data=2,fsdp=4", "--run-dir", str(tmp_path / "mesh")])
     assert mesh["compilations"] == {"micro": 1, "apply": 1, "evaluate": 1}
     got, want = _losses(mesh["metrics"]), _losses(one["metrics"])
+    # Muon's Newton-Schulz runs in bf16: the gradients' last fp32 bits (summed across the
+    # mesh in another order) can move a bf16 rounding (2**-9 relative) in an update; 7e-5
+    # relative in the gradient norm after 4 updates here
+    rtol = 1e-5 if optimizer == "adamw" else 1e-3
     assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
     for g, w in zip(got, want, strict=True):
         for key in ("loss", "val_loss", "grad_norm"):
             if key in w:
-                np.testing.assert_allclose(g[key], w[key], rtol=1e-5, err_msg=f"{key} {w}")
+                np.testing.assert_allclose(g[key], w[key], rtol=rtol, err_msg=f"{key} {w}")
 
 
 def test_help_documents_every_flag(capsys):
@@ -162,9 +168,8 @@ def test_help_documents_every_flag(capsys):
         (["--mesh", "data=3"], "--batch-size must be divisible by the mesh's 3 devices"),
         (
             ["--mesh", "data=2,fsdp=2", "--optimizer", "adamw"],
-            "--mesh data=2,fsdp=2 needs 4 devices, this process has",
+            "--mesh data=2,fsdp=2 needs 4 devices, the run has",
         ),
-        (["--optimizer", "muon", "--mesh", "fsdp=8"], "--optimizer muon orthogonalizes"),
         (["--warmup", "10", "--steps", "10"], "--warmup must be < --steps"),
         (["--moe", "--top-k", "5"], "--top-k must be <= --num-experts"),
         (["--resume"], "--resume needs the run to continue"),
