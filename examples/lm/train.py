@@ -2,7 +2,7 @@
 
     python -m examples.lm.train                          # a few minutes on a 2-core CPU
     python -m examples.lm.train --moe --steps 100        # a Mixtral: top-2 of 4 experts
-    python -m examples.lm.train --mesh data=2,fsdp=4 --optimizer adamw  # 8 devices, FSDP
+    python -m examples.lm.train --mesh data=2,fsdp=4    # 8 devices, FSDP (Muon too)
     python -m examples.lm.train --name a --stop-at 100   # ... later:
     python -m examples.lm.train --name a --resume        # continues to --steps, bit for bit
     python -m examples.lm.train --name a --resume --resume-step 50   # from an earlier checkpoint
