@@ -175,19 +175,19 @@ def default_stages() -> list[Stage]:
         ),
         Stage(
             "trainer",
-            75,
+            65,
             (py, "-m", "benchmarks.gpu_trainer", "--json", "{out}/trainer.json"),
             _json_file("trainer"),
         ),
         Stage(
             "determinism",
-            60,
+            50,
             (py, "-m", "benchmarks.gpu_determinism", "--json", "{out}/determinism.json"),
             _json_file("determinism"),
         ),
         Stage(
             "embedding",
-            30,
+            25,
             (
                 py,
                 "-m",
@@ -203,7 +203,7 @@ def default_stages() -> list[Stage]:
         # default model and one 2x as deep.
         Stage(
             "remat",
-            35,
+            30,
             (
                 py,
                 "-m",
@@ -220,6 +220,24 @@ def default_stages() -> list[Stage]:
                 "{out}/remat.json",
             ),
             _json_file("remat"),
+        ),
+        # examples.finetune's step through its mesh path at fsdp=1 against the plain step:
+        # what the sharded path costs on one device (issue 30).
+        Stage(
+            "finetune_mesh",
+            30,
+            (
+                py,
+                "-m",
+                "benchmarks.finetune_mesh",
+                "--rounds",
+                "3",
+                "--iters",
+                "2",
+                "--json",
+                "{out}/finetune_mesh.json",
+            ),
+            _json_file("finetune_mesh"),
         ),
     ]
 
@@ -388,6 +406,15 @@ def _remat(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _finetune_mesh(r: dict[str, Any]) -> list[str]:
+    med, lo, hi = r["ratio"]
+    ms = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in r["times_s"].items()}
+    return [
+        f"fine-tuner step ({r['platform']}): one device {ms['one device']:.1f} ms, mesh fsdp=1 "
+        f"{ms['mesh fsdp=1']:.1f} ms; ratio {med:.3f} [{lo:.3f}, {hi:.3f}]"
+    ]
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "env": _env,
     "tests": _tests,
@@ -397,6 +424,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "determinism": _determinism,
     "embedding": _embedding,
     "remat": _remat,
+    "finetune_mesh": _finetune_mesh,
 }
 
 

@@ -198,7 +198,7 @@ def make_optimizer(
             lambda path, x: (
                 _matrix_rank(path, x) == 2
                 and not path.startswith(tables)
-                and "['block_sparse_moe']['gate']" not in path
+                and "['block_sparse_moe']" not in path
             ),
         )
         sharded = mesh is not None and "fsdp" in mesh.axis_names
