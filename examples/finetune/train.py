@@ -37,6 +37,9 @@ The run, top to bottom:
   optimizer (with the schedule's count) and the accumulator, with the run's configuration,
   the base's digest and the data's identity (``rudax.checkpoint``). ``--resume`` refuses
   another base or other data, and continues exactly.
+- mesh: with ``--mesh data=D,fsdp=F`` the step runs over that many devices, of this process
+  or of several (``rudax.run.initialize_distributed``'s flags, or ``python -m
+  rudax.run.launch``): ``examples/finetune/mesh.py``. Process 0 writes the run's files.
 - output: ``RUN/metrics.jsonl``, ``RUN/loss.png``, and ``--export`` (default ``RUN/adapter``):
   ``adapter_config.json`` + ``adapter_model.safetensors``, which
   ``peft.PeftModel.from_pretrained`` loads on transformers' model of the base; with
@@ -50,6 +53,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -404,12 +408,10 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
     # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
-    log: rr.MetricsLog | _Unlogged = (
-        rr.MetricsLog(
-            run_dir / "metrics.jsonl", resume_step=step if resumed else -1 if args.resume else None
-        )
-        if primary
-        else _Unlogged(run_dir / "metrics.jsonl")
+    log = rr.MetricsLog(
+        run_dir / "metrics.jsonl",
+        resume_step=step if resumed else -1 if args.resume else None,
+        writer=primary,  # the run's one log, by process 0
     )
     where = ""
     if mesh is not None:
@@ -495,6 +497,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         "adapted": adapted,
         "samples": samples,
         **last,
+        "peak_rss_bytes": _peak_rss_bytes(),
     }
     if step < args.steps:
         say(f"stopped at update {step} of {args.steps}; continue with --resume --run-dir {run_dir}")
@@ -515,10 +518,12 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         rl.merge_lora(merged)
         rm.save_pretrained(merged, args.merged, tokenizer=base_dir)
         print(f"merged model: {args.merged} (a Hugging Face checkpoint)")
+    result["peak_rss_bytes"] = peak = _peak_rss_bytes()  # the merge's copy included
     print(
         f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
-        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s\nmetrics: {log.path}\nloss curve: "
-        f"{plot}\nadapter: {out} (peft.PeftModel.from_pretrained(<{base_dir}'s model>, it))"
+        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s, host peak RSS {peak / 1e9:.2f} GB"
+        f"\nmetrics: {log.path}\nloss curve: {plot}\nadapter: {out} "
+        f"(peft.PeftModel.from_pretrained(<{base_dir}'s model>, it))"
     )
     return result | {"adapter": str(out), "model": model}
 
@@ -561,19 +566,6 @@ def make_steps(
     return micro, apply, evaluate
 
 
-class _Unlogged:
-    """The metrics log of a process other than 0: process 0 writes the run's one log."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def write(self, **row: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _sample(
     model: rm.LlamaForCausalLM, tokenizer: BaseTokenizer, data: FinetuneData, n: int, when: str
 ) -> str:
@@ -590,6 +582,14 @@ def _sample(
     text = decode(ids)
     print(f"sample, {when}: {decode(prompt)!r} -> {text!r}")
     return text
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory on the host (not a device's): the most it has held
+    in RAM since it started, the base's loading included. ``ru_maxrss`` is KiB on Linux and
+    bytes on macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:

@@ -300,14 +300,11 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- loop
     events = run_dir / "tensorboard" if args.tensorboard and primary else None
-    log: rr.MetricsLog | _Unlogged = (
-        rr.MetricsLog(
-            run_dir / "metrics.jsonl",
-            resume_step=step if args.resume else None,
-            tensorboard=events,
-        )
-        if primary
-        else _Unlogged(run_dir / "metrics.jsonl")
+    log = rr.MetricsLog(
+        run_dir / "metrics.jsonl",
+        resume_step=step if args.resume else None,
+        tensorboard=events,
+        writer=primary,  # the run's one log, by process 0
     )
     tokens_per_update = args.batch_size * args.seq_len * args.grad_accum
     where = f" over mesh {cfg.mesh_text(args.mesh)}" if mesh is not None else ""
@@ -436,19 +433,6 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-class _Unlogged:
-    """The metrics log of a process other than 0: process 0 writes the run's one log."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def write(self, **row: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:

@@ -38,6 +38,9 @@ class MetricsLog:
         (tensorboardX's ``purge_step``), the same rows.
       tensorboard: the folder of the event files, created if missing; None writes none (and
         does not import tensorboardX).
+      writer: False for a log that reads and writes nothing, its ``write`` and ``close`` doing
+        nothing: the log of a process other than 0 of a multi-process run, where process 0
+        keeps the run's one log (``writer=jax.process_index() == 0``).
 
     Example:
       >>> import pathlib, tempfile
@@ -59,14 +62,18 @@ class MetricsLog:
         *,
         resume_step: int | None = None,
         tensorboard: str | os.PathLike | None = None,
+        writer: bool = True,
     ):
         self.path = Path(path)
+        self._events: Any = None
+        self._file: Any = None
+        if not writer:
+            return
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if _kept(r, resume_step)]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
-        self._events: Any = None
         if tensorboard is not None:
             # Here, not at the top: importing tensorboardX imports torch where it is
             # installed, seconds of start-up a run without --tensorboard need not pay.
@@ -77,6 +84,8 @@ class MetricsLog:
         self._file = open(self.path, "a")  # closed by close()
 
     def write(self, **row: Any) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._events is not None:
@@ -88,6 +97,8 @@ class MetricsLog:
                 self._events.flush()
 
     def close(self) -> None:
+        if self._file is None:
+            return
         self._file.close()
         if self._events is not None:
             self._events.close()  # flushes the queue: a halted run's last rows are kept

@@ -33,3 +33,14 @@ def test_plot_losses_writes_a_png(tmp_path):
     rows.append({"kind": "eval", "step": 4, "val_loss": 1.0})
     plot_losses(rows, tmp_path / "loss.png", title="a run")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_log_that_is_not_the_writer_reads_and_writes_nothing(tmp_path):
+    # a process other than 0 of a multi-process run: process 0 keeps the one log
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 5, "loss": 1.0}\n')
+    log = MetricsLog(path, resume_step=2, tensorboard=tmp_path / "tb", writer=False)
+    log.write(kind="train", step=3, loss=2.0)
+    log.close()
+    assert path.read_text() == '{"kind": "train", "step": 5, "loss": 1.0}\n'
+    assert not (tmp_path / "tb").exists()
