@@ -32,21 +32,42 @@ Where the numbers come from:
   mesh, the trainer's shard_map'd loss, FSDP gathers included), traced, not guessed, so each
   remat policy counts what it really keeps. With ``--scan-layers`` the layers are stored
   stacked and the scan reads them as stored: their parameters are the step's inputs, not
-  residuals (no second copy of a QLoRA's NF4 base).
+  residuals (no second copy of a QLoRA's NF4 base). They are counted as XLA stores them
+  (``kept_for_backward``): a residual the backward never reads is dead code (the fp32
+  gradient of a frozen table, which the fused loss forms in its forward; dropout's zeros), a
+  residual kept in several shapes is one buffer (a reshape is a bitcast), and a dropout mask
+  costs 8 bytes an element, threefry's two uint32 halves, not 1.
+- What XLA keeps besides (``kept by XLA``), when the layers are neither scanned nor
+  rematerialized, so that forward and backward are one straight-line program whose common
+  subexpressions XLA merges: every NF4 weight dequantized to the compute dtype
+  (``nf4_matmul``'s backward dequantizes it again; the forward's copy lives until then, one
+  dense copy of the whole base); each MLP's ``sigmoid(gate)`` and ``gate * sigmoid(gate)``
+  (``silu_mul``'s backward recomputes them); a LoRA'd gate or up projection's output as its
+  two summands (the sum is fused into ``silu_mul``'s readers). For SmolLM-135M's QLoRA at
+  4 x 128 tokens these are 0.80 of the 2.46 GB XLA:CPU adds to the state; the plan's peak is
+  2.57 GB to XLA:CPU's 2.62 (1.15 to 1.14 scanned, dropout 0; 1.44 and 1.05 before).
 - The transients are modelled on what XLA's own ``memory_analysis`` shows for the programs'
-  jitted steps (``tests/lm/test_plan.py`` compares the two on 8 simulated CPU devices;
-  measured 0.73-0.88x XLA's for a microbatch, 0.98-1.16x for the update, and held to within
-  35%). A microbatch adds every parameter's fp32 gradient (whole, before FSDP's
-  reduce-scatter) and a working set: the larger of one chunk of the fused loss's fp32 logits
-  and one decoder layer's activations without remat (what the layer's backward, or its
-  recomputation, holds while it runs). The trainer's update
-  donates its inputs and adds the fp32 gradients and updates and the new parameters; the
-  fine-tuning program's update, which donates nothing, a new copy of its state.
+  jitted steps (``tests/lm/test_plan.py`` compares the two on 8 simulated CPU devices on small
+  models, ``tests/lm/test_plan_real_shapes.py`` on SmolLM-135M's shapes, vocabulary 49152 and
+  9/3 heads: fine-tuning within 10%, the trainer within 20%). A microbatch adds every
+  parameter's fp32 gradient (whole, before FSDP's reduce-scatter) and a working set: the
+  larger of what the fused loss holds while it runs (one chunk's fp32 logits and their
+  gradient in the compute dtype, and the table cast to the compute dtype if stored in
+  another) and, under remat, one decoder layer's activations without remat (what its
+  recomputation holds). The trainer's update donates its inputs and adds the fp32 gradients
+  and updates and the new parameters; the fine-tuning program's update, which donates
+  nothing, a new copy of its state.
 
 What it does not see: XLA's fusion and scheduling on the target (a GPU can free buffers a
-CPU keeps, or keep one more), the collectives' buffers, the CUDA context and cuDNN/cuBLAS
-workspaces, and allocator fragmentation. ``fits`` therefore asks for ``--headroom`` (10%) of
-the device memory to spare.
+CPU keeps, or keep one more: the terms above are XLA:CPU's, and a GPU's fusion may recompute
+a dropout mask or ``sigmoid(gate)`` rather than keep it), XLA:CPU's packing of its
+temporary buffers into one allocation, which can exceed what is live at its peak (data=8 on
+SmolLM's shapes: 399 MB live, 566 MB allocated, the plan 490 MB), the collectives' buffers,
+the CUDA context and cuDNN/cuBLAS workspaces, and allocator fragmentation. Without a scan
+XLA:CPU merges remat's recomputation into the forward (``rudax/layers/_remat.py``), so an
+unscanned remat plan is the target's, not the CPU's. Under a bf16 compute dtype XLA:CPU
+computes every dot in fp32 (fp32 copies of its operands), so its figures are no check of a
+bf16 plan. ``fits`` therefore asks for ``--headroom`` (10%) of the device memory to spare.
 """
 
 from __future__ import annotations
@@ -65,6 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.extend import core as jex
 from jax.sharding import Mesh
 
 import rudax.layers as rl
@@ -90,9 +112,10 @@ class Plan:
         NF4 codes and scales under QLoRA, plus the adapters), ``masters`` (fp32 copies),
         ``optimizer`` (moments and counters), ``accumulator`` (fp32 gradient sums).
       micro: added during one microbatch's forward and backward: ``activations`` (kept for
-        the backward), ``working set`` (the larger of a logits chunk and one decoder layer's
-        activations), ``gradients`` (fp32, every trainable parameter) and, where the step
-        does not donate it, ``new accumulator``.
+        the backward), ``kept by XLA`` (what XLA keeps besides: dequantized NF4 weights,
+        ``silu_mul``'s intermediates), ``working set`` (the larger of the fused loss's and,
+        under remat, one decoder layer's activations), ``gradients`` (fp32, every trainable
+        parameter) and, where the step does not donate it, ``new accumulator``.
       apply: added during the optimizer update: ``gradients``, ``updates``, ``new params``
         (the trainer's, which donates its inputs), or the new state (fine-tuning's).
       device_bytes: the device memory planned for, or None.
@@ -141,30 +164,234 @@ def nbytes(x: Any) -> int:
     return math.prod(x.shape) * x.dtype.itemsize
 
 
+# Calls whose outputs are their body's outputs: a residual one returns is looked for inside.
+_CALLS = ("jit", "pjit", "closed_call", "shard_map")
+# Free in XLA: a bitcast of the same buffer.
+_BITCASTS = ("reshape", "squeeze", "expand_dims")
+_RANDOM_BITS = ("random_bits", "threefry2x32")
+# The projections whose outputs rudax.kernels.silu_mul reads (a Llama MLP's).
+_SILU_MUL_INPUTS = (("mlp", "gate_proj"), ("mlp", "up_proj"))
+
+
+def kept_for_backward(loss: Callable[..., Any], params: Any, *args: Any) -> int:
+    """Bytes of what ``jax.vjp(loss, params)`` keeps for the backward, as XLA stores them.
+
+    The residuals are those of ``rudax.layers.saved_for_backward`` (traced, nothing
+    computed), counted as XLA:CPU's compiled step holds them:
+
+    - a residual the backward never reads costs nothing: XLA removes it as dead code (the
+      gradient of a frozen table, which ``rudax.kernels.linear_cross_entropy`` forms in its
+      forward; the zeros ``Dropout``'s ``select`` leaves for its transpose);
+    - a residual kept in several shapes counts once: a reshape is a bitcast of one buffer
+      (the normed input of q, k and v reshaped for each adapter's matmul);
+    - a boolean mask drawn from random bits (dropout's) costs 8 bytes an element, not 1:
+      XLA fuses ``bits1 ^ bits2``, the conversion to a uniform and the comparison into the
+      mask's readers and keeps threefry's two uint32 halves instead (on the CPU they come
+      out of a loop, which nothing fuses into).
+
+    Args:
+      loss: ``loss(params, *args)``, a scalar.
+      params: what the gradient is taken of (arrays or ShapeDtypeStructs).
+      *args: the loss's other arguments.
+
+    Returns:
+      The bytes, of the arrays as the traced program has them (global shapes over a mesh).
+    """
+
+    def forward(p: Any, *a: Any) -> Any:
+        return jax.vjp(lambda q: loss(q, *a), p)
+
+    traced, (out, backward) = jax.make_jaxpr(forward, return_shape=True)(params, *args)
+    outputs = len(jax.tree.leaves(out))  # the loss's, then the residuals
+    leaves, treedef = jax.tree.flatten(backward)
+    # The backward alone, from the residuals and the cotangent: which residuals it reads.
+    read = jax.make_jaxpr(lambda res, ct: jax.tree.unflatten(treedef, res)(ct))(leaves, out)
+    used = _used_inputs(read.jaxpr, [True] * len(read.jaxpr.outvars))[: len(leaves)]
+    top = traced.jaxpr
+    free = {v for v in (*top.invars, *top.constvars)}
+    producers: dict[int, dict[Any, Any]] = {}  # of each jaxpr met, by id
+    found: dict[Any, int] = {}
+    for v, leaf, is_read in zip(top.outvars[outputs:], leaves, used, strict=True):
+        if not is_read or not isinstance(v, jex.Var) or v in free:
+            continue
+        origin = _origin(v, top, producers)
+        if origin is None:  # an input, a constant, or a bitcast of one
+            continue
+        key, eqn, made = origin
+        if leaf.dtype == jnp.bool_ and _draws_random_bits(eqn, made, set()):
+            found[key] = 8 * math.prod(leaf.shape)  # threefry's two uint32 halves
+        else:
+            found.setdefault(key, nbytes(leaf))
+    return sum(found.values())
+
+
+def _body(eqn: Any) -> Any:
+    """The jaxpr of a call whose inputs and outputs are its body's, else None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    body = getattr(body, "jaxpr", body)  # a ClosedJaxpr's jaxpr
+    if body is None or (len(body.invars), len(body.outvars)) != (len(eqn.invars), len(eqn.outvars)):
+        return None
+    return body
+
+
+def _producers(jaxpr: Any, producers: dict[int, dict[Any, Any]]) -> dict[Any, Any]:
+    """The equation that makes each of ``jaxpr``'s vars, kept in ``producers``."""
+    made = producers.get(id(jaxpr))
+    if made is None:
+        made = producers[id(jaxpr)] = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    return made
+
+
+def _origin(
+    v: Any, top: Any, producers: dict[int, dict[Any, Any]]
+) -> tuple[Any, Any, dict[Any, Any]] | None:
+    """Where a residual is made: ``(key, eqn, the producers of eqn's jaxpr)``, following it
+    into the calls that return it and back through bitcasts; None for an input or a constant.
+    ``key`` names the buffer: the var and the calls it was found in (a jitted function's body
+    is one jaxpr for every call site)."""
+    stack: list[tuple[Any, Any]] = [(top, None)]  # (jaxpr, the call into it)
+    while True:
+        if not isinstance(v, jex.Var):
+            return None  # a literal
+        jaxpr, call = stack[-1]
+        made = _producers(jaxpr, producers)
+        eqn = made.get(v)
+        if eqn is None:
+            if call is None or v not in jaxpr.invars:
+                return None  # an input of the step, or a constant
+            stack.pop()
+            v = call.invars[jaxpr.invars.index(v)]
+            continue
+        if eqn.primitive.name in _BITCASTS:
+            v = eqn.invars[0]
+            continue
+        body = _body(eqn)
+        if body is not None:
+            stack.append((body, eqn))
+            v = body.outvars[eqn.outvars.index(v)]
+            continue
+        return (tuple(id(c) for _, c in stack[1:]), v), eqn, made
+
+
+def _draws_random_bits(eqn: Any, made: dict[Any, Any], seen: set[int], depth: int = 12) -> bool:
+    """Whether ``eqn``'s output is computed from random bits: through its operands'
+    equations (``made``: their jaxpr's producers; ``depth`` of them at most) and into the
+    calls they come from."""
+    if eqn.primitive.name in _RANDOM_BITS:
+        return True
+    body = _body(eqn)
+    if body is not None:
+        return _contains_random_bits(body)
+    if depth == 0 or id(eqn) in seen:
+        return False
+    seen.add(id(eqn))
+    return any(
+        _draws_random_bits(made[v], made, seen, depth - 1)
+        for v in eqn.invars
+        if isinstance(v, jex.Var) and v in made
+    )
+
+
+def _contains_random_bits(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _RANDOM_BITS:
+            return True
+        for inner in jex.jaxprs_in_params(eqn.params):
+            if _contains_random_bits(getattr(inner, "jaxpr", inner)):
+                return True
+    return False
+
+
+def _used_inputs(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:
+    """Which of ``jaxpr``'s inputs its used outputs depend on (dead-code elimination, into
+    jitted calls; any other call with a used output reads all its inputs)."""
+    live = {v for v, u in zip(jaxpr.outvars, used_outputs, strict=True) if u}
+    for eqn in reversed(jaxpr.eqns):
+        outs = [isinstance(v, jex.Var) and v in live for v in eqn.outvars]
+        if not any(outs) and not eqn.effects:
+            continue
+        body = _body(eqn)
+        if body is not None and not eqn.effects:
+            ins = _used_inputs(body, outs)
+        else:
+            ins = [True] * len(eqn.invars)
+        live.update(v for v, u in zip(eqn.invars, ins, strict=True) if u and isinstance(v, jex.Var))
+    return [v in live for v in jaxpr.invars]
+
+
 # ------------------------------------------------------------------------------- plans
 
 
-def _loss_chunk_bytes(spec: ModelSpec, rows: int) -> int:
-    """The fused loss's fp32 logits for one chunk of a microbatch's tokens."""
-    tokens = min(spec.loss_chunk, rows * spec.seq_len)
-    return tokens * spec.config.vocab_size * 4
+def _loss_working_set(spec: ModelSpec, rows: int, *, table_trained: bool) -> int:
+    """What the fused loss holds while it runs, beyond the activations: one chunk's fp32
+    logits and their gradient (``softmax - one_hot``, in the compute dtype: it is formed
+    before the logits are freed), and the table cast to the compute dtype if it is stored
+    in another. A trained table's fp32 gradient, counted among the activations, is formed
+    once the cast is no longer read, unless several chunks run (it is their scan's carry)."""
+    config = spec.config
+    tokens = rows * spec.seq_len
+    chunk = min(spec.loss_chunk, tokens)
+    c = jnp.dtype(spec.dtype).itemsize
+    table = config.vocab_size * config.hidden_size
+    cast = table * c if jnp.dtype(config.param_dtype) != jnp.dtype(spec.dtype) else 0
+    if table_trained and chunk == tokens:
+        cast = max(0, cast - table * 4)
+    return chunk * config.vocab_size * (4 + c) + cast
 
 
-def _micro(spec: ModelSpec, rows: int, saved: Callable[[ModelSpec], int]) -> dict[str, int]:
+def _kept_by_xla(spec: ModelSpec, model: Any, rows: int) -> int:
+    """What XLA:CPU keeps from the forward for the backward besides JAX's residuals, when
+    the layers are neither scanned nor rematerialized (then forward and backward are one
+    straight-line program):
+
+    - each ``NF4Linear``'s weight dequantized to the compute dtype: ``nf4_matmul``'s backward
+      dequantizes it again and XLA's CSE merges the two, so the forward's copy lives until
+      the backward (a scan's forward and backward are separate loops; remat's recomputation
+      is fenced off by an optimization barrier);
+    - each dense MLP's ``sigmoid(gate)`` and ``gate * sigmoid(gate)``, which
+      ``rudax.kernels.silu_mul``'s backward recomputes from gate and up, merged likewise;
+    - a LoRA'd ``gate_proj`` or ``up_proj``'s output as its two summands (the base's and the
+      adapter's): XLA fuses the sum into ``silu_mul``'s readers, forward and backward.
+    """
+    if spec.scan_layers or spec.remat != "none":
+        return 0
+    config = spec.config
+    tokens = rows * spec.seq_len
+    c = jnp.dtype(spec.dtype).itemsize
+    kept = 0
+    if config.num_local_experts is None:
+        kept += config.num_hidden_layers * 2 * tokens * config.intermediate_size * c
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, rl.NF4Linear):
+            kept += module.in_features * module.out_features * c
+        elif isinstance(module, rl.LoRALinear) and path[-2:] in _SILU_MUL_INPUTS:
+            kept += tokens * module.out_features * c
+    return kept
+
+
+def _micro(
+    spec: ModelSpec, rows: int, kept: Callable[[ModelSpec], tuple[int, int]], loss: int
+) -> dict[str, int]:
     """What a microbatch adds besides its gradients and accumulator: the activations kept
-    for the backward (``saved(spec)``), and the larger of the loss's logits chunk and the
-    backward's working set. That is one decoder layer's activations as they are without
-    remat: ``saved`` of two plain layers less one, what a layer's backward (or, under remat,
-    its recomputation) holds while it runs. The two come one after the other, at the loss and
+    for the backward and what XLA keeps besides (``kept(spec)``), and the larger of the loss's
+    working set (``loss``) and, under remat, the backward's: one decoder layer's as it is
+    without remat, ``kept`` of two plain layers less one, which its recomputation holds while
+    the layer's backward runs. (Without remat a layer's backward reads activations counted
+    already, and frees them as it goes.) The two come one after the other, at the loss and
     then in each layer, so only the larger counts."""
 
     def plain(n: int) -> int:
         config = dataclasses.replace(spec.config, num_hidden_layers=n)
-        return saved(dataclasses.replace(spec, config=config, remat="none", scan_layers=False))
+        return sum(kept(dataclasses.replace(spec, config=config, remat="none", scan_layers=False)))
 
+    activations, by_xla = kept(spec)
+    layer = plain(2) - plain(1) if spec.remat != "none" else 0
     return {
-        "activations": saved(spec),
-        "working set": max(plain(2) - plain(1), _loss_chunk_bytes(spec, rows)),
+        "activations": activations,
+        "kept by XLA": by_xla,
+        "working set": max(layer, loss),
     }
 
 
@@ -192,16 +419,18 @@ def plan_pretraining(
     opt_state, acc = optimizer_state(tx, params)
     masters = _masters(opt_state)
 
-    def saved(s: ModelSpec) -> int:
+    def kept(s: ModelSpec) -> tuple[int, int]:
         # The trainer's own loss (over a mesh, its shard_map'd loss): under FSDP what is kept
         # is each device's shard of the parameters, or the gathered weights, as the step
         # really keeps them. shard_map's residuals come out stacked over the devices.
-        graphdef, params, rest = nnx.split(trained_model(s, mesh_obj), nnx.Param, ...)
+        model = trained_model(s, mesh_obj)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         batch = jax.ShapeDtypeStruct((args.batch_size, s.seq_len + 1), jnp.int32)
         steps = make_steps(
             graphdef, rest, None, mesh=mesh_obj, donate=False, loss_chunk=s.loss_chunk
         )
-        return sum(map(nbytes, rl.saved_for_backward(steps.forward, params, batch))) // devices
+        activations = kept_for_backward(steps.forward, params, batch) // devices
+        return activations, _kept_by_xla(s, model, rows)
 
     fp32_local = rs.bytes_per_device(jax.tree.map(_as_fp32, params), fsdp)
     state = {
@@ -211,7 +440,7 @@ def plan_pretraining(
         "accumulator": rs.bytes_per_device(acc, fsdp),
     }
     micro = {
-        **_micro(spec, rows, saved),
+        **_micro(spec, rows, kept, _loss_working_set(spec, rows, table_trained=True)),
         "gradients": _gradients(logical, fsdp, scanned=spec.scan_layers),
         # No new accumulator: micro donates the old one, whose buffer the new sums take.
     }
@@ -236,27 +465,28 @@ def plan_finetuning(
             "layer the same dropout masks"
         )
 
-    def split(s: ModelSpec) -> Any:
-        return nnx.split(
-            nnx.eval_shape(lambda: finetune_model(args, s)), rl.LoRAParam, nnx.RngState, ...
-        )
+    def split(s: ModelSpec) -> tuple[Any, Any]:
+        model = nnx.eval_shape(lambda: finetune_model(args, s))
+        return model, nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
 
-    full = split(spec)  # built once: a 70B model takes tens of seconds to trace
+    # built once: a 70B model takes tens of seconds to trace
+    full = split(spec)
 
-    def saved(s: ModelSpec) -> int:
-        graphdef, adapters, rngs, base = full if s == spec else split(s)
+    def kept(s: ModelSpec) -> tuple[int, int]:
+        model, (graphdef, adapters, rngs, base) = full if s == spec else split(s)
         shape = (args.batch_size, s.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in FINETUNE_BATCH}
 
         # The frozen base and the RNG state are inputs of the step: what is kept of them as
-        # they are costs nothing more, what is derived from them (a dequantized weight) counts.
+        # they are costs nothing more, what is derived from them (a cast weight) counts.
         def loss(a: Any, b: Any, base: Any, rngs: Any) -> Any:
             model = nnx.merge(graphdef, a, rngs, base, copy=True)
             return rm.causal_lm_loss_sum(model, b, chunk=s.loss_chunk)[0]
 
-        return sum(map(nbytes, rl.saved_for_backward(loss, adapters, batch, base, rngs)))
+        activations = kept_for_backward(loss, adapters, batch, base, rngs)
+        return activations, _kept_by_xla(s, model, args.batch_size)
 
-    _, adapters, rngs, base = full
+    _, (_, adapters, rngs, base) = full
     tx = finetune_optimizer()
     opt_state, acc = optimizer_state(tx, adapters)
     state = {
@@ -267,8 +497,9 @@ def plan_finetuning(
         "optimizer": rs.bytes_per_device(opt_state),
         "accumulator": rs.bytes_per_device(acc),
     }
+    loss = _loss_working_set(spec, args.batch_size, table_trained=False)
     micro = {
-        **_micro(spec, args.batch_size, saved),
+        **_micro(spec, args.batch_size, kept, loss),
         "gradients": _gradients(adapters, 1, scanned=spec.scan_layers),
         "new accumulator": state["accumulator"],
     }
