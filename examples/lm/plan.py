@@ -17,8 +17,8 @@ masters, optimizer moments, accumulator, and what each step adds to them. The mo
 trainer's ``examples.lm.spec.ModelSpec`` (a ``rudax.models.LlamaForCausalLM``), of the flags
 or of ``--hf-config``. Nothing is allocated and nothing compiled: the model, the optimizer
 state and the accumulator are built abstractly (``nnx.eval_shape``, ``jax.eval_shape``): on
-a 2-core CPU a 7B plan takes seconds, a 70B QLoRA one a minute with ``--scan-layers`` and
-eight without (80 layers traced).
+a 2-core CPU a 7B plan takes seconds, a 70B QLoRA one under a minute with ``--scan-layers``
+and two without (80 layers traced); each phase prints a line on stderr as it starts.
 ``examples/lm/hf_configs/`` holds the ``config.json`` of Llama 2 7B and Llama 3.1 8B and 70B.
 
 Where the numbers come from:
@@ -162,6 +162,16 @@ class Plan:
 def nbytes(x: Any) -> int:
     """Bytes of one array or ShapeDtypeStruct."""
     return math.prod(x.shape) * x.dtype.itemsize
+
+
+def progress(message: str) -> None:
+    """One line on stderr as the plan goes: a 70B plan traces for a minute or more."""
+    print(f"plan: {message}", file=sys.stderr, flush=True)
+
+
+def _layers(spec: ModelSpec) -> str:
+    n = spec.config.num_hidden_layers
+    return f"{n} layer{'s' * (n != 1)}" + (", scanned" if spec.scan_layers else "")
 
 
 # Calls whose outputs are their body's outputs: a residual one returns is looked for inside.
@@ -387,7 +397,10 @@ def _micro(
         return sum(kept(dataclasses.replace(spec, config=config, remat="none", scan_layers=False)))
 
     activations, by_xla = kept(spec)
-    layer = plain(2) - plain(1) if spec.remat != "none" else 0
+    layer = 0
+    if spec.remat != "none":
+        progress("tracing one and two plain layers (the backward's working set)...")
+        layer = plain(2) - plain(1)
     return {
         "activations": activations,
         "kept by XLA": by_xla,
@@ -413,6 +426,7 @@ def plan_pretraining(
     mesh_obj = None if not mesh else trace_mesh(mesh)
     # the state as the run holds it (sharded over fsdp: each leaf, or each layer's slice of
     # a stacked one, padded on its own), and the logical parameters the gradients have
+    progress(f"building the model abstractly ({_layers(spec)})...")
     _, params, _ = nnx.split(trained_model(spec, mesh_obj), nnx.Param, ...)
     _, logical, _ = nnx.split(trained_model(spec, None), nnx.Param, ...)
     tx = make_optimizer(args)
@@ -439,6 +453,7 @@ def plan_pretraining(
         "optimizer": rs.bytes_per_device(opt_state, fsdp) - rs.bytes_per_device(masters, fsdp),
         "accumulator": rs.bytes_per_device(acc, fsdp),
     }
+    progress(f"tracing the forward and backward of {_layers(spec)} (the activations)...")
     micro = {
         **_micro(spec, rows, kept, _loss_working_set(spec, rows, table_trained=True)),
         "gradients": _gradients(logical, fsdp, scanned=spec.scan_layers),
@@ -470,6 +485,7 @@ def plan_finetuning(
         return model, nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
 
     # built once: a 70B model takes tens of seconds to trace
+    progress(f"building the model abstractly ({_layers(spec)}, its base {args.finetune})...")
     full = split(spec)
 
     def kept(s: ModelSpec) -> tuple[int, int]:
@@ -497,6 +513,7 @@ def plan_finetuning(
         "optimizer": rs.bytes_per_device(opt_state),
         "accumulator": rs.bytes_per_device(acc),
     }
+    progress(f"tracing the forward and backward of {_layers(spec)} (the activations)...")
     loss = _loss_working_set(spec, args.batch_size, table_trained=False)
     micro = {
         **_micro(spec, args.batch_size, kept, loss),

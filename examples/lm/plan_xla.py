@@ -59,6 +59,7 @@ def _abstract(tree: Any, shardings: Any = None) -> Any:
 def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]]:
     """The backend's name and ``{"microbatch": ..., "update": ...}`` for the plan's flags."""
     spec = pl.model_of(args)
+    pl.progress("tracing the run's steps to compile them (--xla)...")
     if args.finetune != "none":
         model = nnx.eval_shape(lambda: pl.finetune_model(args, spec))
         model.eval()
@@ -93,7 +94,11 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
             "update": run.apply.lower(params, opt_state, acc),
         }
         platform = (mesh.devices.flat[0] if mesh else jax.devices()[0]).platform
-    return platform, {name: _memory(lowered.compile()) for name, lowered in steps.items()}
+    compiled = {}
+    for name, lowered in steps.items():
+        pl.progress(f"compiling the {name} step for {platform} (--xla)...")
+        compiled[name] = _memory(lowered.compile())
+    return platform, compiled
 
 
 def format_xla(plan: pl.Plan, platform: str, steps: dict[str, StepMemory]) -> str:

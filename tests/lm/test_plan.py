@@ -157,6 +157,25 @@ def test_the_program_prints_the_plan_and_whether_it_fits(capsys):
     assert small.fits is False and "does NOT fit" in capsys.readouterr().out
 
 
+def test_the_plan_says_what_it_traces(capsys):
+    # A 70B QLoRA plan traces for a minute or more: each phase is a line on stderr (issue 29).
+    flags = [*SMALL.split(), "--optimizer", "adamw", "--n-layers", "2"]
+    pl.main([*flags, "--remat", "full", "--xla"])
+    assert capsys.readouterr().err.splitlines() == [
+        "plan: building the model abstractly (2 layers)...",
+        "plan: tracing the forward and backward of 2 layers (the activations)...",
+        "plan: tracing one and two plain layers (the backward's working set)...",
+        "plan: tracing the run's steps to compile them (--xla)...",
+        "plan: compiling the microbatch step for cpu (--xla)...",
+        "plan: compiling the update step for cpu (--xla)...",
+    ]
+    pl.main([*flags, "--scan-layers", "--n-layers", "1"])  # remat none: no plain layers traced
+    assert capsys.readouterr().err.splitlines() == [
+        "plan: building the model abstractly (1 layer, scanned)...",
+        "plan: tracing the forward and backward of 1 layer, scanned (the activations)...",
+    ]
+
+
 def test_more_layers_and_no_remat_need_more_activations():
     flags = [*SMALL.split(), "--optimizer", "adamw"]
     plan = lambda *f: pl.make_plan(pl.build_parser().parse_args([*flags, *f]))
