@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -75,6 +76,9 @@ def test_validation_loss_falls_and_the_base_is_nf4(full_run):
     layer = model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, rl.LoRALinear) and isinstance(layer.base, rl.NF4Linear)
     assert len(result["adapted"]) == 14  # 7 projections x 2 blocks
+    # The host's peak RSS (issue 29): JAX and the model at least; the process's peak only grows.
+    peak_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    assert 100e6 < result["peak_rss_bytes"] <= peak_now
 
 
 def test_a_sample_is_printed_before_and_after_training(full_run):
@@ -163,7 +167,9 @@ def test_scanned_layers_train_the_same_qlora_run(base_dir, data_files, tmp_path,
         main(_flags(base_dir, data_files, tmp_path / "plain", "--dropout", "0", "--resume",
                     "--scan-layers"))  # fmt: skip
     assert "--scan-layers True (the run has False)" in capsys.readouterr().err
-    main(_flags(base_dir, data_files, tmp_path / "scanned", "--dropout", "0", "--resume"))
+    result = main(_flags(base_dir, data_files, tmp_path / "scanned", "--dropout", "0", "--resume"))
+    # The final line reports the host's peak RSS, the returned summary its bytes (issue 29).
+    assert f"host peak RSS {result['peak_rss_bytes'] / 1e9:.2f} GB\n" in capsys.readouterr().out
     adapter = load_file(tmp_path / "scanned" / "adapter" / "adapter_model.safetensors")
     key = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
     assert adapter[key].shape == (8, 64) and len(_train_rows(tmp_path / "scanned")) == 8
