@@ -429,7 +429,7 @@ def plan_pretraining(
     progress(f"building the model abstractly ({_layers(spec)})...")
     _, params, _ = nnx.split(trained_model(spec, mesh_obj), nnx.Param, ...)
     _, logical, _ = nnx.split(trained_model(spec, None), nnx.Param, ...)
-    tx = make_optimizer(args)
+    tx = make_optimizer(args, mesh_obj)  # over fsdp, Muon is rudax.sharding.fsdp_muon
     opt_state, acc = optimizer_state(tx, params)
     masters = _masters(opt_state)
 

@@ -80,7 +80,7 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
     else:
         mesh = pl.trace_mesh(args.mesh) if args.mesh else None
         graphdef, params, rest = nnx.split(pl.trained_model(spec, mesh), nnx.Param, ...)
-        tx = make_optimizer(args)
+        tx = make_optimizer(args, mesh)
         opt_state, acc = pl.optimizer_state(tx, params)
         place = (lambda t: _abstract(t, placement(t, mesh))) if mesh else _abstract
         params, opt_state, acc = place(params), place(opt_state), place(acc)
