@@ -325,3 +325,24 @@ def vary_like(value: jax.Array | None, *others: ArrayLike) -> jax.Array | None:
     if not missing:
         return value
     return jax.lax.pcast(value, tuple(sorted(missing)), to="varying")
+
+
+def vary_over_mesh(value: jax.Array) -> jax.Array:
+    """``value`` made to vary over every manual mesh axis of the enclosing ``shard_map``.
+
+    An FSDP shard varies over its own axis only; a weight gathered from it is then typed
+    invariant over the mesh's other axes (``data``), and the transpose of that invariance sums
+    the weight's gradient over them: an all-reduce of the full gradient, before the
+    reduce-scatter cuts it. Cast to varying first, the gradient is reduce-scattered first and
+    only the shard is summed over the other axes (``benchmarks/fsdp_comm.py``: 5.6x fewer
+    bytes on ``data=2,fsdp=4``). Unchanged outside ``shard_map`` and without ``check_vma``
+    (nothing is tracked there).
+    """
+    current = varying_axes(value)
+    if not current:
+        return value
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    missing = frozenset(manual) - current
+    if not missing:
+        return value
+    return jax.lax.pcast(value, tuple(sorted(missing, key=str)), to="varying")

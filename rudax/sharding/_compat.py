@@ -10,8 +10,8 @@ releases: ``aval.manual_axis_type.varying`` on jax 0.10 and 0.11, ``aval.vma`` b
 
 from __future__ import annotations
 
-from rudax.kernels._compat import vary_like, varying_axes
+from rudax.kernels._compat import vary_like, vary_over_mesh, varying_axes
 
 # The kernels need the same reading of shard_map's tracking for their custom_vjp rules, and
 # rudax.kernels imports nothing from rudax.sharding, so the one definition lives there.
-__all__ = ["vary_like", "varying_axes"]
+__all__ = ["vary_like", "vary_over_mesh", "varying_axes"]

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_int, float_dtype
+from rudax.sharding._compat import vary_over_mesh
 from rudax.sharding.collectives import all_gather
 
 
@@ -236,7 +237,9 @@ class ShardedParameter:
                 f"{self.local.shape} (was it passed with in_specs=P({self.axis_name!r}))?"
             )
         local = self.local if dtype is None else self.local.astype(dtype)
-        flat = all_gather(local, self.axis_name)
+        # varying over the mesh's other axes too: the gradient is then reduce-scattered
+        # before it is summed over them, not summed whole and then cut
+        flat = all_gather(vary_over_mesh(local), self.axis_name)
         return flat[: self.size].reshape(self.logical_shape)
 
     def unshard(self) -> np.ndarray:
