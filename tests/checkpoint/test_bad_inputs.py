@@ -85,6 +85,14 @@ def scene(mistake: Callable[[_Scene], object]) -> Callable[[], object]:
     return call
 
 
+def _reader_beside_retention(s: _Scene) -> object:
+    with _open(s, read_only=True) as reader, _open(s, keep=2) as writer:
+        s.records[3] = _record(3.0)
+        writer.save(3, s.records[3])  # keep=2: step 1 goes
+        s.intact = [2, 3]
+        return reader.restore(s.records[2], step=1)
+
+
 def _open(s: _Scene, **kwargs) -> rc.Checkpointer:
     return rc.Checkpointer(s.root, **kwargs)
 
@@ -224,6 +232,14 @@ CASES = [
         scene(lambda s: rc.Checkpointer(s.root / "nope", read_only=True)),
         FileNotFoundError,
         r"read_only=True\): no directory .*/nope",
+    ),
+    Bad(
+        # issue 29: a reader listed the steps once, when opened, and then named step 1 as
+        # saved after the writer's retention had deleted it (and never saw step 3)
+        "reader-asks-for-a-step-the-writers-retention-deleted",
+        scene(_reader_beside_retention),
+        FileNotFoundError,
+        r"no checkpoint for step=1 .*saved: \[2, 3\]",
     ),
     Bad(
         "restore-a-step-never-saved",
