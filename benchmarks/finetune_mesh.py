@@ -83,7 +83,7 @@ def _arm(model: rm.LlamaForCausalLM, mesh: Mesh | None, batch: dict[str, np.ndar
             (adapters, rngs, base, opt_state, acc), mesh
         )
         micro, apply, _ = mesh_.make_steps(graphdef, eval_def, tx, mesh)
-        placed = mesh_.put_batch(batch, mesh)
+        placed = mesh_.put_batch(batch, mesh, len(batch["tokens"]))
     state = {"adapters": adapters, "rngs": rngs, "opt": opt_state, "acc": acc}
 
     def step() -> Any:

@@ -95,18 +95,21 @@ def place(tree: Any, mesh: Mesh) -> Any:
     return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh)))
 
 
-def put_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """The global batch's arrays with their rows split over every mesh axis; this process
-    places only its own rows (``mesh``'s devices are in process order)."""
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+def own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a whole batch (rows ``[p * b, (p + 1) * b)``, ``b`` the rows
+    per process), as ``FinetuneData.batch(i, shard=p, num_shards=n)`` reads them itself."""
     p, n = jax.process_index(), jax.process_count()
-    out = {}
-    for key, rows in batch.items():
-        b = rows.shape[0] // n
-        out[key] = jax.make_array_from_process_local_data(
-            sharding, rows[p * b : (p + 1) * b], rows.shape
-        )
-    return out
+    return {key: rows[p * len(rows) // n : (p + 1) * len(rows) // n] for key, rows in batch.items()}
+
+
+def put_batch(local: dict[str, np.ndarray], mesh: Mesh, rows: int) -> dict[str, jax.Array]:
+    """A batch of ``rows`` rows split over every mesh axis, from this process's own rows
+    (``local``; ``mesh``'s devices are in process order, so they are a contiguous block)."""
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return {
+        key: jax.make_array_from_process_local_data(sharding, part, (rows, *part.shape[1:]))
+        for key, part in local.items()
+    }
 
 
 def make_steps(

@@ -350,14 +350,19 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     if mesh is None:
         micro, apply, evaluate = make_steps(graphdef, eval_def, tx)
         put: Any = lambda batch: batch
+        real_tokens: Any = lambda batch: int(np.count_nonzero(batch["segment_ids"]))
     else:
         micro, apply, evaluate = mesh_.make_steps(graphdef, eval_def, tx, mesh)
-        put = lambda batch: mesh_.put_batch(batch, mesh)
+        # this process's rows, placed; the count of real tokens over every process's rows
+        put = lambda batch: mesh_.put_batch(batch, mesh, args.batch_size)
+        real_tokens = lambda placed: int(_count_tokens(placed["segment_ids"]))
 
     def val_loss() -> float | None:
         if not val_batches:
             return None
-        ms = jax.device_get([evaluate(adapters, rngs, base, put(b)) for b in val_batches])
+        ms = jax.device_get(
+            [evaluate(adapters, rngs, base, put(mesh_.own_rows(b))) for b in val_batches]
+        )
         return sum(float(m["ce_sum"]) for m in ms) / max(1, sum(int(m["tokens"]) for m in ms))
 
     # --------------------------------------------------------------------------- checkpoint
@@ -435,9 +440,16 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             step += 1
             window, real = [], 0
             for a in range(args.grad_accum):
-                batch = train_data.batch((step - 1) * args.grad_accum + a)
-                real += int(np.count_nonzero(batch["segment_ids"]))  # tokens, not padding
-                acc, rngs, m = micro(adapters, rngs, acc, base, put(batch))
+                # this process's rows of the batch (all of them on one process)
+                batch = put(
+                    train_data.batch(
+                        (step - 1) * args.grad_accum + a,
+                        shard=jax.process_index(),
+                        num_shards=jax.process_count(),
+                    )
+                )
+                real += real_tokens(batch)  # tokens, not padding
+                acc, rngs, m = micro(adapters, rngs, acc, base, batch)
                 window.append(m)
             adapters, opt_state, acc, norm = apply(adapters, opt_state, acc)
             window, norm = jax.device_get((window, norm))  # waits for the update
@@ -564,6 +576,11 @@ def make_steps(
         return loss(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
 
     return micro, apply, evaluate
+
+
+@jax.jit
+def _count_tokens(segment_ids: jax.Array) -> jax.Array:
+    return jnp.count_nonzero(segment_ids)
 
 
 def _sample(
