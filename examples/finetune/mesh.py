@@ -198,8 +198,21 @@ def make_steps(
 
 def gather_into(model: rm.LlamaForCausalLM, sharded: rm.LlamaForCausalLM) -> None:
     """Writes the adapters of ``sharded`` (``shard(model, mesh)``, trained) back into
-    ``model``, whole, on every process: for saving them and for generating with the model."""
+    ``model``, whole, on every process: for saving them and for generating with the model on
+    one process. On a data-only mesh (``sharded is model``) the adapters and RNG state were
+    replaced by replicated arrays of the whole mesh; each becomes this process's copy on one
+    device, so that generating a sample runs once, not replicated on every device."""
     if sharded is model:
+        state = nnx.state(model)
+        local = jax.tree.map(
+            lambda x: (
+                x.addressable_data(0)
+                if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+                else x
+            ),
+            state,
+        )
+        nnx.update(model, local)
         return
     for path, node in nnx.iter_graph(sharded):
         if not isinstance(node, rs.ShardedModule):

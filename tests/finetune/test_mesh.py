@@ -111,3 +111,14 @@ def test_two_processes_fsdp_then_resumed_on_one(base_dir, data_files, tmp_path, 
     assert code == 0, out
     _assert_close(_rows(tmp_path / "run"), want, rtol=2e-5)
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_two_data_parallel_processes_sample_and_save_after_training(base_dir, data_files, tmp_path):
+    # process 0 alone generates the samples and writes the adapter, from its own copy of the
+    # replicated adapters
+    flags = _flags(base_dir, data_files, tmp_path / "run", "--mesh", "data=8")
+    flags = [*flags, "--steps", "2", "--sample-tokens", "4"]
+    code, out = _launch(2, flags)
+    assert code == 0, out
+    assert "[0] update 2" in out and "[1] update 2" not in out
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
