@@ -6,10 +6,7 @@ Batch size 8: one row per device. ``--dropout 0``: over a mesh each device draws
 so only without dropout is the one-device run the reference.
 """
 
-import io
 import json
-import os
-import sys
 from pathlib import Path
 
 import jax
@@ -17,9 +14,8 @@ import numpy as np
 import pytest
 
 from examples.finetune.train import main
-from rudax.run.launch import launch
+from tests._launch import launch_program
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
 FLAGS = [
@@ -85,19 +81,7 @@ def rl_state(adapter_dir: Path) -> dict[str, np.ndarray]:
 
 
 def _launch(processes: int, args: list[str]) -> tuple[int, str]:
-    out = io.StringIO()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    code = launch(
-        [sys.executable, "-m", "examples.finetune", *args],
-        processes=processes,
-        cpu_devices=8 // processes,
-        timeout=300,
-        env=env,
-        stdout=out,
-        stderr=out,
-    )
-    return code, out.getvalue()
+    return launch_program("examples.finetune", processes, args, timeout=300)
 
 
 def test_two_processes_fsdp_then_resumed_on_one(base_dir, data_files, tmp_path, one_device):

@@ -7,7 +7,6 @@ function of the seed and the update alone, so the losses are the same bits which
 process count, and a run resumes on another one exactly.
 """
 
-import io
 import json
 import os
 import signal
@@ -20,10 +19,10 @@ import jax
 import pytest
 
 from examples.lm import train
-from rudax.run.launch import child_env, free_port, launch
+from rudax.run.launch import child_env, free_port
+from tests._launch import launch_program, repo_env
 from tests.lm.conftest import TINY
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
 FLAGS = [
@@ -35,19 +34,7 @@ FLAGS = [
 
 
 def _launch(processes: int, args: list[str]) -> tuple[int, str]:
-    out = io.StringIO()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    code = launch(
-        [sys.executable, "-m", "examples.lm.train", *args],
-        processes=processes,
-        cpu_devices=8 // processes,
-        timeout=240,
-        env=env,
-        stdout=out,
-        stderr=out,
-    )
-    return code, out.getvalue()
+    return launch_program("examples.lm.train", processes, args, timeout=240)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -101,8 +88,7 @@ def test_a_killed_process_ends_the_other_within_the_heartbeat_timeout(data, tmp_
     # No launcher here (it would stop the other at once): jax's own heartbeat must.
     port, run = free_port(), tmp_path / "killed"
     args = [*data, *FLAGS, "--steps", "100000", "--run-dir", str(run), "--heartbeat-timeout", "5"]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = repo_env()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "examples.lm.train", *args],
