@@ -4,9 +4,10 @@ The op's contract, its arguments' checks and its derivative live here; the two p
 beside it: ``_flash_attention_pallas.py`` (Triton kernels for the GPU, an ordered backward
 with no atomics) and ``_flash_attention_xla.py`` (the same algorithm in ``lax`` loops for
 every other platform). Both keep only the output and the fp32 log-sum-exp for the backward,
-so attention's memory grows as O(T), and both skip the blocks a causal mask, a window or
-disjoint segment ids hide. ``impl="cudnn"`` calls ``jax.nn.dot_product_attention``'s cuDNN
-kernel where it computes the same function, and refuses where it would not.
+so attention's memory grows as O(T), and both skip the blocks a causal mask, a window,
+disjoint segment ids or other branches of a shared prefix (``branch_ids``) hide.
+``impl="cudnn"`` calls ``jax.nn.dot_product_attention``'s cuDNN kernel where it computes the
+same function, and refuses where it would not.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rudax._validation import check_bool
 from rudax.kernels import _compat, _platform
 from rudax.kernels import _flash_attention_pallas as _pallas
 from rudax.kernels import _flash_attention_xla as _xla
-from rudax.kernels._attention_mask import Mask
+from rudax.kernels._attention_mask import Ids, Mask, unshared_positions
 from rudax.kernels._blocks import check_block
 
 IMPLS = ("auto", "pallas", "xla", "cudnn")
@@ -90,99 +91,90 @@ class _Static:
 
 
 # --- the derivative ------------------------------------------------------------------------
+# ``ids`` is a flat tuple: the queries' id arrays, then the keys', each side in ``Mask.kinds``
+# order (segment, branch, position; those present). Integers: no cotangent.
 
 
-def _forward(st: _Static, q, k, v, q_seg, kv_seg) -> tuple[jax.Array, jax.Array]:
-    segs = () if q_seg is None else (q_seg, kv_seg)
+def _sides(st: _Static, ids: tuple[jax.Array, ...]) -> tuple[Ids, Ids]:
+    n = len(st.mask.kinds)
+    return st.mask.ids(ids[:n]), st.mask.ids(ids[n:])
 
-    def pallas(q, k, v, *segs):
-        interpret = st.path == "interpret"
+
+def _forward(st: _Static, q, k, v, ids) -> tuple[jax.Array, jax.Array]:
+    n = len(ids)
+
+    def pallas(q, k, v, *ids):
         return _pallas.forward(
-            q,
-            k,
-            v,
-            *(segs or (None, None)),
-            block=st.block,
-            interpret=interpret,
-            mask=st.mask,
-            scale=st.scale,
-            softcap=st.softcap,
-        )
+            q, k, v, *_sides(st, ids), block=st.block, interpret=st.path == "interpret",
+            mask=st.mask, scale=st.scale, softcap=st.softcap,
+        )  # fmt: skip
 
-    def xla(q, k, v, *segs):
+    def xla(q, k, v, *ids):
         b = st.block
         return _xla.forward(
-            q,
-            k,
-            v,
-            *(segs or (None, None)),
-            q_chunk=b.xla_q,
-            kv_chunk=b.xla_kv,
-            mask=st.mask,
-            scale=st.scale,
-            softcap=st.softcap,
-        )
+            q, k, v, *_sides(st, ids), q_chunk=b.xla_q, kv_chunk=b.xla_kv, mask=st.mask,
+            scale=st.scale, softcap=st.softcap,
+        )  # fmt: skip
 
-    out, lse = _platform.run(st.path, pallas, xla, q, k, v, *segs, name="flash_attention")
+    assert n == 2 * len(st.mask.kinds)
+    out, lse = _platform.run(st.path, pallas, xla, q, k, v, *ids, name="flash_attention")
     return out, lse
 
 
-def _backward(st: _Static, q, k, v, q_seg, kv_seg, out, lse, d_out):
-    segs = () if q_seg is None else (q_seg, kv_seg)
+def _backward(st: _Static, q, k, v, ids, out, lse, d_out):
+    n = len(ids)
 
-    def split(args):  # (q, k, v, *segs, out, lse, d_out) -> the paths' arguments
-        q, k, v, *rest = args
-        segs, (out, lse, d_out) = rest[:-3], rest[-3:]
-        q_seg, kv_seg = segs or (None, None)
-        return q, k, v, q_seg, kv_seg, out, lse, d_out
-
-    def pallas(*args):
-        q, k, v, q_seg, kv_seg, out, lse, d_out = split(args)
-        interpret = st.path == "interpret"
+    def pallas(q, k, v, *rest):
+        ids, (out, lse, d_out) = rest[:n], rest[n:]
         return _pallas.backward(
-            q, k, v, q_seg, kv_seg, out, lse, d_out,
-            block=st.block, interpret=interpret, mask=st.mask, scale=st.scale, softcap=st.softcap,
+            q, k, v, *_sides(st, ids), out, lse, d_out, block=st.block,
+            interpret=st.path == "interpret", mask=st.mask, scale=st.scale, softcap=st.softcap,
         )  # fmt: skip
 
-    def xla(*args):
-        q, k, v, q_seg, kv_seg, out, lse, d_out = split(args)
+    def xla(q, k, v, *rest):
+        ids, (out, lse, d_out) = rest[:n], rest[n:]
         b = st.block
         return _xla.backward(
-            q, k, v, q_seg, kv_seg, out, lse, d_out,
-            q_chunk=b.xla_q, kv_chunk=b.xla_kv, mask=st.mask, scale=st.scale, softcap=st.softcap,
+            q, k, v, *_sides(st, ids), out, lse, d_out, q_chunk=b.xla_q, kv_chunk=b.xla_kv,
+            mask=st.mask, scale=st.scale, softcap=st.softcap,
         )  # fmt: skip
 
     dq, dk, dv = _platform.run(
-        st.path, pallas, xla, q, k, v, *segs, out, lse, d_out, name="flash_attention"
+        st.path, pallas, xla, q, k, v, *ids, out, lse, d_out, name="flash_attention"
     )
     return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, q_seg, kv_seg):
-    return _forward(st, q, k, v, q_seg, kv_seg)[0]
+def _attention(st: _Static, q, k, v, ids):
+    return _forward(st, q, k, v, ids)[0]
 
 
-def _attention_fwd(st, q, k, v, q_seg, kv_seg):
-    out, lse = _forward(st, q, k, v, q_seg, kv_seg)
+def _attention_fwd(st, q, k, v, ids):
+    out, lse = _forward(st, q, k, v, ids)
     # The inputs, the output and B x H x T fp32 statistics: O(T) residuals, no scores.
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+    return out, (q, k, v, ids, out, lse)
 
 
 def _attention_bwd(st, residuals, d_out):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
-    dq, dk, dv = _backward(st, q, k, v, q_seg, kv_seg, out, lse, d_out)
-    return dq, dk, dv, None, None  # segment ids are integers: no cotangent
+    q, k, v, ids, out, lse = residuals
+    dq, dk, dv = _backward(st, q, k, v, ids, out, lse, d_out)
+    return dq, dk, dv, tuple(None for _ in ids)  # ids are integers: no cotangent
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
-def _attention_jit(q, k, v, q_seg, kv_seg, *, st: _Static) -> jax.Array:
+def _attention_jit(q, k, v, q_seg, kv_seg, branch, *, st: _Static) -> jax.Array:
     if st.path != "xla":
         q, k, v = (_compat.vary_like(x, q, k, v) for x in (q, k, v))
-    return _attention(st, q, k, v, q_seg, kv_seg)
+    position = None
+    if branch is not None and st.mask.window is not None:
+        position = unshared_positions(q_seg, branch)
+    q_ids = Ids(q_seg, branch, position)
+    kv_ids = Ids(kv_seg, branch, position)
+    return _attention(st, q, k, v, (*q_ids.arrays(), *kv_ids.arrays()))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window"))
@@ -203,6 +195,7 @@ def flash_attention(
     causal: bool = False,
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    branch_ids: jax.Array | None = None,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     scale: float | None = None,
@@ -227,6 +220,17 @@ def flash_attention(
     two have the same segment id (``segment_ids``: examples packed into one row never see
     each other). A query that sees no key at all gets an output of zeros and no gradient.
 
+    Shared prefixes (``branch_ids``, causal self-attention only): within a segment (a row
+    without ``segment_ids``), tokens of branch 0 are the segment's shared prefix and a token
+    of branch ``b > 0`` sees the prefix and the earlier tokens of its own branch, never
+    another branch's. A row ``[prompt, completion 1, ..., completion G]`` then computes each
+    completion exactly as ``[prompt, completion g]`` would (give the completions' RoPE
+    positions restarting at the prompt's length), the prompt once instead of G times: a
+    row's work is ``P^2/2 + G (R P + R^2/2)`` instead of ``G (P + R)^2 / 2``. A window is
+    measured as in that unshared layout. Blocks of keys that no query of a block can see
+    are skipped (a branch's queries never compute another branch's keys), and the prompt's
+    dK and dV sum over every branch's queries in row order: the same bits every run.
+
     Precision: scores, softmax statistics and every sum in fp32; the probabilities are cast to
     ``v``'s dtype for their product with ``v`` (as every flash attention does), and the output
     is rounded once to ``v``'s dtype. The backward recomputes the scores block by block from
@@ -241,6 +245,10 @@ def flash_attention(
       segment_ids: None, or integer ids ``[B, T]`` of the queries' segments.
       kv_segment_ids: None (the same as ``segment_ids``; needs ``S == T``), or integer ids
         ``[B, S]`` of the keys' segments.
+      branch_ids: None, or integer ids ``[B, T]`` >= 0 (needs ``causal=True`` and ``S ==
+        T``): 0 for a segment's shared prefix, ``b > 0`` for its continuation ``b``. Each
+        segment's prefix tokens must come before its branches' (checked when the ids are
+        concrete, not traced).
       window: None, or ``(left, right)``, two ints >= 0: query at ``p`` sees keys in
         ``[p - left, p + right]`` (a sliding window: ``(w - 1, 0)`` with ``causal``).
       softcap: None, or a float > 0 that caps the scores smoothly (Gemma 2's logit soft-cap).
@@ -277,6 +285,13 @@ def flash_attention(
       >>> dq = jax.grad(lambda q: rk.flash_attention(q, kv, kv, causal=True).sum())(q)
       >>> dq.shape
       (1, 6, 4, 8)
+      >>> # A 2-token prompt shared by two 2-token continuations: [p p a a b b].
+      >>> br = jnp.array([[0, 0, 1, 1, 2, 2]])
+      >>> shared = rk.flash_attention(q, kv, kv, causal=True, branch_ids=br)
+      >>> pick = jnp.array([0, 1, 4, 5])  # the prompt and continuation 2, unshared
+      >>> own = rk.flash_attention(q[:, pick], kv[:, pick], kv[:, pick], causal=True)
+      >>> bool(jnp.allclose(shared[:, 4:], own[:, 2:], atol=1e-6))
+      True
 
     References:
       Dao et al., `FlashAttention <https://arxiv.org/abs/2205.14135>`_, 2022;
@@ -288,6 +303,7 @@ def flash_attention(
     s = k.shape[1]
     check_bool("causal", causal, allow_numpy=False)
     q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
+    branch = _check_branches(branch_ids, segment_ids, kv_segment_ids, causal, b, t, s)
     window = _check_window(window, t, s)
     softcap = _check_positive_static("softcap", softcap)
     scale = _check_positive_static("scale", scale)
@@ -297,13 +313,14 @@ def flash_attention(
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
     if impl == "cudnn":
-        _check_cudnn(q, k, causal, q_seg, softcap, window)
+        _check_cudnn(q, k, causal, q_seg, branch, softcap, window)
         return _cudnn(q, k, v, scale=scale, causal=causal, window=window)
     path = _compat.resolve_impl(impl, interpret=interpret)
     if q.size == 0 or k.size == 0:  # no query, or nothing to see: zeros (no kernel launch)
         return jnp.zeros(q.shape, v.dtype)
-    st = _Static(Mask(t, s, causal, window), scale, softcap, path, block)
-    return _attention_jit(q, k, v, q_seg, kv_seg, st=st)
+    mask = Mask(t, s, causal, window, segments=q_seg is not None, branches=branch is not None)
+    st = _Static(mask, scale, softcap, path, block)
+    return _attention_jit(q, k, v, q_seg, kv_seg, branch, st=st)
 
 
 # --- argument checks -----------------------------------------------------------------------
@@ -366,7 +383,76 @@ def _check_ids(name: str, ids: Any, shape: tuple[int, int], spec: str) -> jax.Ar
         raise TypeError(f"{name} must be integers, got {name}.dtype={ids.dtype}")
     if ids.shape != shape:
         raise ValueError(f"{name} must be {spec} = {shape}, got {name}.shape={ids.shape}")
+    wide = ids.dtype.itemsize > 4 or ids.dtype == np.uint32
+    if wide and (values := _concrete(ids)) is not None and values.size:
+        # The kernels compare int32 ids: a wider id would wrap (ids 0 and 2**32 would merge).
+        lo, hi = int(values.min()), int(values.max())
+        info = np.iinfo(np.int32)
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise ValueError(
+                f"{name} must fit in int32 (the kernels compare int32 ids; a wider id wraps "
+                f"and merges with another), got {name}.dtype={ids.dtype} holding {bad}"
+            )
     return jnp.asarray(ids, jnp.int32)
+
+
+def _concrete(x: jax.Array | np.ndarray) -> np.ndarray | None:
+    """``x``'s values, or None when it is traced (its values are not known yet)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_branches(
+    branch_ids: Any, segment_ids: Any, kv_segment_ids: Any, causal: bool, b: int, t: int, s: int
+) -> jax.Array | None:
+    if branch_ids is None:
+        return None
+    branch = _check_ids("branch_ids", branch_ids, (b, t), "[B, T]")
+    if not causal:
+        raise ValueError(
+            "branch_ids needs causal=True: a shared prefix is causal self-attention (each "
+            "continuation sees the prefix before it), got causal=False"
+        )
+    if s != t or kv_segment_ids is not None:
+        raise ValueError(
+            f"branch_ids is for self-attention over one packed row: the keys are the queries' "
+            f"tokens, S == T and no kv_segment_ids; got S={s}, T={t}, "
+            f"kv_segment_ids={'None' if kv_segment_ids is None else 'given'}"
+        )
+    values = _concrete(branch_ids)
+    if values is not None:
+        seg_values = None if segment_ids is None else _concrete(segment_ids)
+        if segment_ids is None or seg_values is not None:
+            _check_branch_layout(values, seg_values)
+    return branch
+
+
+def _check_branch_layout(branch: np.ndarray, segment: np.ndarray | None) -> None:
+    """Branch ids >= 0, and in each segment the prefix (branch 0) before every branch."""
+    if branch.size and branch.min() < 0:
+        row, col = np.argwhere(branch < 0)[0]
+        raise ValueError(
+            f"branch_ids must be >= 0 (0 the shared prefix), got branch_ids[{row}, {col}] = "
+            f"{branch[row, col]}"
+        )
+    segment = np.zeros_like(branch) if segment is None else segment
+    for row in range(branch.shape[0]):
+        for seg in np.unique(segment[row]):
+            idx = np.flatnonzero(segment[row] == seg)
+            br = branch[row, idx]
+            if not (br > 0).any() or not (br == 0).any():
+                continue
+            first_branch = idx[np.argmax(br > 0)]
+            last_prefix = idx[np.flatnonzero(br == 0)[-1]]
+            if last_prefix > first_branch:
+                raise ValueError(
+                    f"branch_ids[{row}]: a branch token (branch {branch[row, first_branch]} at "
+                    f"index {first_branch}) comes before a prefix token (branch 0 at index "
+                    f"{last_prefix}) of segment {seg}; each segment's shared prefix must come "
+                    "before its branches"
+                )
 
 
 def _check_window(window: Any, t: int, s: int) -> tuple[int, int] | None:
@@ -394,10 +480,12 @@ def _check_positive_static(name: str, value: Any) -> float | None:
     return float(value)
 
 
-def _check_cudnn(q, k, causal, q_seg, softcap, window) -> None:
+def _check_cudnn(q, k, causal, q_seg, branch, softcap, window) -> None:
     why = []
     if q_seg is not None:
         why.append("segment_ids (jax.nn.dot_product_attention's cuDNN path takes no segment ids)")
+    if branch is not None:
+        why.append("branch_ids")
     if softcap is not None:
         why.append("softcap")
     if window is not None and not (causal and window[1] == 0):
@@ -424,6 +512,7 @@ def flash_attention_reference(
     causal: bool = False,
     segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    branch_ids: jax.Array | None = None,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     scale: float | None = None,
@@ -444,6 +533,7 @@ def flash_attention_reference(
     b, t, h, kd = q.shape
     s, g = k.shape[1], k.shape[2]
     q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
+    branch = _check_branches(branch_ids, segment_ids, kv_segment_ids, causal, b, t, s)
     window = _check_window(window, t, s)
     softcap = _check_positive_static("softcap", softcap)
     scale = _check_positive_static("scale", scale)
@@ -456,16 +546,21 @@ def flash_attention_reference(
     scores = scores * jnp.float32(scale)
     if softcap is not None:
         scores = jnp.float32(softcap) * jnp.tanh(scores / jnp.float32(softcap))
-    pos = jnp.arange(t)[:, None] + (s - t)
-    key = jnp.arange(s)[None, :]
-    visible = jnp.ones((t, s), bool)
+    pos = jnp.broadcast_to(jnp.arange(t)[:, None] + (s - t), (b, t, 1))
+    key = jnp.broadcast_to(jnp.arange(s)[None, :], (b, 1, s))
+    visible = jnp.ones((b, t, s), bool)
     if causal:
         visible &= key <= pos
     if window is not None:
+        if branch is not None:  # measured in each branch's unshared layout
+            pos = key = unshared_positions(q_seg, branch)
+            pos, key = pos[:, :, None], key[:, None, :]
         visible &= (key >= pos - window[0]) & (key <= pos + window[1])
-    visible = jnp.broadcast_to(visible, (b, t, s))
     if q_seg is not None and kv_seg is not None:
         visible &= q_seg[:, :, None] == kv_seg[:, None, :]
+    if branch is not None:
+        kb = branch[:, None, :]
+        visible &= (kb == 0) | (kb == branch[:, :, None])
     visible = visible[:, None, None]
     scores = jnp.where(visible, scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)

@@ -12,7 +12,10 @@
 No program writes where another does, and every sum runs in a fixed loop order, so there
 are no atomics and the gradients are the same bits every run, by construction: FlashAttention
 2's backward adds dQ from each key block's program with atomics, whose order varies. The
-price is that the backward computes the scores twice (once per kernel).
+price is that the backward computes the scores twice (once per kernel). A shared prefix
+(``branch_ids``) is the dK/dV program of a prefix key block walking the query blocks of every
+branch in row order; a branch's programs skip the other branches' blocks (``Mask.may_see``).
+The ids (segment, branch, position; those a call has) are one int32 ref each per side.
 
 The scores are computed in base 2 (``exp2`` of scores times log2(e)), the GPU's native
 exponential; the saved log-sum-exp is natural, the same as the XLA path's. Blocks are powers
@@ -35,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from rudax.kernels import _compat
-from rudax.kernels._attention_mask import Mask, segments_overlap
+from rudax.kernels._attention_mask import Ids, Mask
 from rudax.kernels._flash_attention_xla import _pad_to, _precision
 
 F32 = jnp.float32
@@ -73,9 +76,15 @@ def _scores(q, k, scale: float, softcap: float | None):
     return F32(softcap) * t, t
 
 
-def _ids(ref: Any, index: Any) -> jax.Array | None:
-    """A block of segment ids read from ``ref``, or None without segment ids."""
-    return None if ref is None else ref[index]
+def _read_ids(mask: Mask, refs: Any, index: Any) -> Ids:
+    """A block of one side's ids read from its refs (in ``mask.kinds`` order)."""
+    return mask.ids([ref[index] for ref in refs])
+
+
+def _split_refs(mask: Mask, refs: Any) -> tuple[Any, Any, Any]:
+    """``(query id refs, key id refs, output refs)`` of a kernel's trailing refs."""
+    n = len(mask.kinds)
+    return refs[:n], refs[n : 2 * n], refs[2 * n :]
 
 
 def _maybe(pred, fn, carry):
@@ -87,16 +96,16 @@ def _maybe(pred, fn, carry):
 # --- forward -------------------------------------------------------------------------------
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, mask, scale, softcap, bq, bk, segments):
-    qs_ref, ks_ref, o_ref, lse_ref = refs if segments else (None, None, *refs)
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, mask, scale, softcap, bq, bk):
+    qs_refs, ks_refs, (o_ref, lse_ref) = _split_refs(mask, refs)
     q_start = pl.program_id(0) * bq
     q = q_ref[...]
     q_index = q_start + lax.iota(jnp.int32, bq)
-    qs = _ids(qs_ref, slice(None))
+    qs = _read_ids(mask, qs_refs, slice(None))
 
     def key_block(j, carry):
         kv_start = j * bk
-        ks = _ids(ks_ref, pl.ds(kv_start, bk))
+        ks = _read_ids(mask, ks_refs, pl.ds(kv_start, bk))
 
         def update(carry):
             o, m, row_sum = carry
@@ -113,7 +122,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, mask, scale, softcap, bq, bk, se
             o = rescale[:, None] * o + _dot(p.astype(vc.dtype), vc)
             return o, m_new, row_sum
 
-        return _maybe(segments_overlap(qs, ks), update, carry)
+        return _maybe(mask.may_see(qs, ks), update, carry)
 
     init = (
         jnp.zeros((bq, q_ref.shape[-1]), F32),
@@ -128,7 +137,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, mask, scale, softcap, bq, bk, se
     lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(row_sum)) * F32(LN2))
 
 
-def forward(q, k, v, q_seg, kv_seg, *, mask: Mask, scale, softcap, block, interpret):
+def forward(q, k, v, q_ids: Ids, kv_ids: Ids, *, mask: Mask, scale, softcap, block, interpret):
     """``(out [B, T, H, K], lse [B, H, T] fp32)``, the same contract as the XLA path's."""
     b, t, h, kd = q.shape
     s, g = k.shape[1], k.shape[2]
@@ -138,7 +147,6 @@ def forward(q, k, v, q_seg, kv_seg, *, mask: Mask, scale, softcap, block, interp
     q = _pad_to(_pad_to(q, 1, bq), 3, kp)
     k, v = (_pad_to(_pad_to(x, 1, bk), 3, kp) for x in (k, v))
     tp, sp = q.shape[1], k.shape[1]
-    segments = q_seg is not None
     kv_head = lambda i, bb, hh: (bb, 0, lax.div(hh, jnp.int32(r)), 0)
     in_specs = [
         pl.BlockSpec((None, bq, None, kp), lambda i, bb, hh: (bb, i, hh, 0)),
@@ -146,14 +154,13 @@ def forward(q, k, v, q_seg, kv_seg, *, mask: Mask, scale, softcap, block, interp
         pl.BlockSpec((None, sp, None, kp), kv_head),
     ]
     args = [q, k, v]
-    if segments:
-        in_specs += [
-            pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)),
-            pl.BlockSpec((None, sp), lambda i, bb, hh: (bb, 0)),
-        ]
-        args += [_pad_to(q_seg, 1, bq), _pad_to(kv_seg, 1, bk)]
+    n = len(mask.kinds)
+    in_specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i))] * n
+    in_specs += [pl.BlockSpec((None, sp), lambda i, bb, hh: (bb, 0))] * n
+    args += [_pad_to(x, 1, bq) for x in q_ids.arrays()]
+    args += [_pad_to(x, 1, bk) for x in kv_ids.arrays()]
     kernel = functools.partial(
-        _forward_kernel, mask=mask, scale=scale, softcap=softcap, bq=bq, bk=bk, segments=segments
+        _forward_kernel, mask=mask, scale=scale, softcap=softcap, bq=bq, bk=bk
     )
     out, lse = _compat.pallas_call(
         kernel,
@@ -190,20 +197,19 @@ def _probabilities_and_ds(qc, kc, vc, doc, lse, delta, vis, *, scale, softcap):
 
 
 def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, mask, scale, softcap, bq, bk, r,
-    segments,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, mask, scale, softcap, bq, bk, r
 ):  # fmt: skip
-    qs_ref, ks_ref, dk_ref, dv_ref = refs if segments else (None, None, *refs)
+    qs_refs, ks_refs, (dk_ref, dv_ref) = _split_refs(mask, refs)
     kv_start = pl.program_id(0) * bk
     kc, vc = k_ref[...], v_ref[...]
     kv_index = kv_start + lax.iota(jnp.int32, bk)
-    ks = _ids(ks_ref, slice(None))
+    ks = _read_ids(mask, ks_refs, slice(None))
     first, end = mask.q_blocks(kv_start, bk, bq)
 
     def head(rr, carry):
         def query_block(i, carry):
             q_start = i * bq
-            qs = _ids(qs_ref, pl.ds(q_start, bq))
+            qs = _read_ids(mask, qs_refs, pl.ds(q_start, bq))
 
             def update(carry):
                 dk, dv = carry
@@ -225,7 +231,7 @@ def _dkdv_kernel(
                 dk = dk + _dot(ds.astype(qc.dtype), qc, trans_a=True)
                 return dk, dv
 
-            return _maybe(segments_overlap(qs, ks), update, carry)
+            return _maybe(mask.may_see(qs, ks), update, carry)
 
         return lax.fori_loop(first, end, query_block, carry)
 
@@ -236,19 +242,18 @@ def _dkdv_kernel(
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, mask, scale, softcap, bq, bk,
-    segments,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, mask, scale, softcap, bq, bk
 ):  # fmt: skip
-    qs_ref, ks_ref, dq_ref = refs if segments else (None, None, *refs)
+    qs_refs, ks_refs, (dq_ref,) = _split_refs(mask, refs)
     q_start = pl.program_id(0) * bq
     qc, doc = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     q_index = q_start + lax.iota(jnp.int32, bq)
-    qs = _ids(qs_ref, slice(None))
+    qs = _read_ids(mask, qs_refs, slice(None))
 
     def key_block(j, dq):
         kv_start = j * bk
-        ks = _ids(ks_ref, pl.ds(kv_start, bk))
+        ks = _read_ids(mask, ks_refs, pl.ds(kv_start, bk))
 
         def update(dq):
             kc = k_ref[pl.ds(kv_start, bk), :]
@@ -259,7 +264,7 @@ def _dq_kernel(
             )
             return dq + _dot(ds.astype(kc.dtype), kc)
 
-        return _maybe(segments_overlap(qs, ks), update, dq)
+        return _maybe(mask.may_see(qs, ks), update, dq)
 
     first, end = mask.kv_blocks(q_start, bq, bk)
     dq = lax.fori_loop(first, end, key_block, jnp.zeros((bq, q_ref.shape[-1]), F32))
@@ -267,8 +272,9 @@ def _dq_kernel(
 
 
 def backward(
-    q, k, v, q_seg, kv_seg, out, lse, d_out, *, mask: Mask, scale, softcap, block, interpret
-):
+    q, k, v, q_ids: Ids, kv_ids: Ids, out, lse, d_out, *, mask: Mask, scale, softcap, block,
+    interpret,
+):  # fmt: skip
     """``(dq, dk, dv)``: the two kernels above; the same contract as the XLA path's."""
     b, t, h, kd = q.shape
     s, g = k.shape[1], k.shape[2]
@@ -281,9 +287,9 @@ def backward(
     k, v = (_pad_to(_pad_to(x, 1, bk), 3, kp) for x in (k, v))
     lse, delta = _pad_to(lse, 2, bq), _pad_to(delta, 2, bq)
     tp, sp = q.shape[1], k.shape[1]
-    segments = q_seg is not None
-    segs = [_pad_to(q_seg, 1, bq), _pad_to(kv_seg, 1, bk)] if segments else []
-    static = dict(mask=mask, scale=scale, softcap=softcap, bq=bq, bk=bk, segments=segments)
+    n = len(mask.kinds)
+    ids = [_pad_to(x, 1, bq) for x in q_ids.arrays()] + [_pad_to(x, 1, bk) for x in kv_ids.arrays()]
+    static = dict(mask=mask, scale=scale, softcap=softcap, bq=bq, bk=bk)
     common = dict(interpret=interpret, num_warps=block.num_warps, num_stages=block.num_stages)
 
     # dK, dV: a program per (key block, row, kv head); the group's R query heads as one
@@ -293,19 +299,17 @@ def backward(
     group = pl.BlockSpec((None, tp, None, r, kp), lambda j, bb, gg: (bb, 0, gg, 0, 0))
     stats = pl.BlockSpec((None, None, r, tp), lambda j, bb, gg: (bb, gg, 0, 0))
     kv_block = pl.BlockSpec((None, bk, None, kp), lambda j, bb, gg: (bb, j, gg, 0))
-    seg_specs = [
-        pl.BlockSpec((None, tp), lambda j, bb, gg: (bb, 0)),
-        pl.BlockSpec((None, bk), lambda j, bb, gg: (bb, j)),
-    ]
+    id_specs = [pl.BlockSpec((None, tp), lambda j, bb, gg: (bb, 0))] * n
+    id_specs += [pl.BlockSpec((None, bk), lambda j, bb, gg: (bb, j))] * n
     dk, dv = _compat.pallas_call(
         functools.partial(_dkdv_kernel, r=r, **static),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(sp // bk, b, g),
-        in_specs=[group, kv_block, kv_block, group, stats, stats] + (seg_specs if segments else []),
+        in_specs=[group, kv_block, kv_block, group, stats, stats, *id_specs],
         out_specs=[kv_block, kv_block],
         name="flash_attention_dkdv",
         **common,
-    )(q5, k, v, do5, lse4, delta4, *segs)
+    )(q5, k, v, do5, lse4, delta4, *ids)
 
     # dQ: a program per (query block, row, query head).
     q_block = pl.BlockSpec((None, bq, None, kp), lambda i, bb, hh: (bb, i, hh, 0))
@@ -313,17 +317,15 @@ def backward(
         (None, sp, None, kp), lambda i, bb, hh: (bb, 0, lax.div(hh, jnp.int32(r)), 0)
     )
     row = pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))
-    seg_specs = [
-        pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)),
-        pl.BlockSpec((None, sp), lambda i, bb, hh: (bb, 0)),
-    ]
+    id_specs = [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i))] * n
+    id_specs += [pl.BlockSpec((None, sp), lambda i, bb, hh: (bb, 0))] * n
     (dq,) = _compat.pallas_call(
         functools.partial(_dq_kernel, **static),
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
         grid=(tp // bq, b, h),
-        in_specs=[q_block, kv_head, kv_head, q_block, row, row] + (seg_specs if segments else []),
+        in_specs=[q_block, kv_head, kv_head, q_block, row, row, *id_specs],
         out_specs=[q_block],
         name="flash_attention_dq",
         **common,
-    )(q, k, v, d_out, lse, delta, *segs)
+    )(q, k, v, d_out, lse, delta, *ids)
     return dq[:, :t, :, :kd], dk[:, :s, :, :kd], dv[:, :s, :, :kd]

@@ -9,12 +9,14 @@ which recomputes each chunk's probabilities as ``exp(score - lse)``. So a chunk'
 
 The loops are ``lax`` loops whose bounds come from the mask (``Mask.kv_blocks`` and
 ``q_blocks``): chunks a causal or windowed mask hides entirely are never computed, and the
-program's size does not grow with T. With segment ids, a chunk whose query and key ids cannot
-meet is skipped under ``lax.cond``.
+program's size does not grow with T. With segment or branch ids, a chunk whose query and key
+ids cannot meet (``Mask.may_see``) is skipped under ``lax.cond``: a branch's queries never
+compute another branch's keys.
 
 The backward is one pass over key chunks. Each accumulates its dK and dV over the query
 chunks that can see it, and adds each query chunk's share of dQ into one fp32 buffer: the
-loops run in a fixed order, so the result is the same bits every run.
+loops run in a fixed order, so the result is the same bits every run. A shared prefix's key
+chunk sums its dK and dV over the query chunks of every branch, in row order.
 
 Layouts inside: queries ``[B, T, G, R, K]`` (``R = H / G`` query heads per key/value head, a
 free reshape), scores ``[B, G, R, bq, bk]``; the statistics ``lse`` leave as ``[B, H, T]``,
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rudax.kernels import _compat
-from rudax.kernels._attention_mask import Mask, segments_overlap
+from rudax.kernels._attention_mask import Ids, Mask
 
 F32 = jnp.float32
 
@@ -56,11 +58,6 @@ def _chunk(x: jax.Array, start: jax.Array, size: int, axis: int = 1) -> jax.Arra
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _ids(x: jax.Array | None, start: jax.Array, size: int) -> jax.Array | None:
-    """A chunk of segment ids ``[B, size]``, or None without segment ids."""
-    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis=1)
-
-
 def _scores(q_BxGxRxQxK, k_BxGxSxK, scale: float, softcap: float | None):
     """``(scores, tanh)``: fp32 scores ``[B, G, R, Q, S]``, capped; tanh for the backward."""
     s = jnp.einsum(
@@ -77,11 +74,11 @@ def _scores(q_BxGxRxQxK, k_BxGxSxK, scale: float, softcap: float | None):
     return F32(softcap) * t, t
 
 
-def _visible(mask: Mask, q_start, q_size, kv_start, kv_size, q_seg, kv_seg) -> jax.Array:
+def _visible(mask: Mask, q_start, q_size, kv_start, kv_size, q_ids: Ids, kv_ids: Ids):
     """The chunk's mask, broadcastable to ``[B, G, R, Q, S]``."""
     q_index = q_start + lax.iota(jnp.int32, q_size)
     kv_index = kv_start + lax.iota(jnp.int32, kv_size)
-    vis = mask.visible(q_index, kv_index, q_seg, kv_seg)  # [Q, S] or [B, Q, S]
+    vis = mask.visible(q_index, kv_index, q_ids, kv_ids)  # [Q, S] or [B, Q, S]
     return vis[:, None, None] if vis.ndim == 3 else vis
 
 
@@ -96,8 +93,8 @@ def forward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    q_seg: jax.Array | None,
-    kv_seg: jax.Array | None,
+    q_ids: Ids,
+    kv_ids: Ids,
     *,
     mask: Mask,
     scale: float,
@@ -117,21 +114,18 @@ def forward(
     # slab, and every product a plain batched matmul. O(T) copies, cheap beside O(T^2) work.
     q5 = _pad_to(q, 1, bq).reshape(b, -1, g, r, kd).transpose(0, 2, 3, 1, 4)
     k, v = (_pad_to(x, 1, bk).transpose(0, 2, 1, 3) for x in (k, v))
-    q_seg = None if q_seg is None else _pad_to(q_seg, 1, bq)
-    kv_seg = None if kv_seg is None else _pad_to(kv_seg, 1, bk)
+    q_ids = q_ids.map(lambda x: _pad_to(x, 1, bq))
+    kv_ids = kv_ids.map(lambda x: _pad_to(x, 1, bk))
     n_q = q5.shape[3] // bq
 
     def query_chunk(i):
         q_start = i * bq
-        qc, qs = _chunk(q5, q_start, bq, axis=3), _ids(q_seg, q_start, bq)
+        qc, qs = _chunk(q5, q_start, bq, axis=3), q_ids.slice(q_start, bq)
 
         def key_chunk(j, carry):
             kv_start = j * bk
-            kc, vc, ks = (
-                _chunk(k, kv_start, bk, axis=2),
-                _chunk(v, kv_start, bk, axis=2),
-                _ids(kv_seg, kv_start, bk),
-            )
+            kc, vc = _chunk(k, kv_start, bk, axis=2), _chunk(v, kv_start, bk, axis=2)
+            ks = kv_ids.slice(kv_start, bk)
 
             def update(carry):
                 o, m, row_sum = carry
@@ -154,8 +148,7 @@ def forward(
                 )
                 return rescale[..., None] * o + pv, m_new, row_sum
 
-            overlap = segments_overlap(qs, ks)
-            return _maybe(overlap, update, carry)
+            return _maybe(mask.may_see(qs, ks), update, carry)
 
         init = (
             jnp.zeros((b, g, r, bq, kd), F32),
@@ -182,8 +175,8 @@ def backward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    q_seg: jax.Array | None,
-    kv_seg: jax.Array | None,
+    q_ids: Ids,
+    kv_ids: Ids,
     out: jax.Array,
     lse: jax.Array,
     d_out: jax.Array,
@@ -217,18 +210,18 @@ def backward(
     lse4 = _pad_to(lse.reshape(b, g, r, t), 3, bq)
     delta4 = _pad_to(delta.reshape(b, t, g, r).transpose(0, 2, 3, 1), 3, bq)
     k, v = (_pad_to(x, 1, bk).transpose(0, 2, 1, 3) for x in (k, v))
-    q_seg = None if q_seg is None else _pad_to(q_seg, 1, bq)
-    kv_seg = None if kv_seg is None else _pad_to(kv_seg, 1, bk)
+    q_ids = q_ids.map(lambda x: _pad_to(x, 1, bq))
+    kv_ids = kv_ids.map(lambda x: _pad_to(x, 1, bk))
     n_k = k.shape[2] // bk
 
     def key_chunk(dq_acc, j):
         kv_start = j * bk
         kc, vc = _chunk(k, kv_start, bk, axis=2), _chunk(v, kv_start, bk, axis=2)
-        ks = _ids(kv_seg, kv_start, bk)
+        ks = kv_ids.slice(kv_start, bk)
 
         def query_chunk(i, carry):
             q_start = i * bq
-            qc, qs = _chunk(q5, q_start, bq, axis=3), _ids(q_seg, q_start, bq)
+            qc, qs = _chunk(q5, q_start, bq, axis=3), q_ids.slice(q_start, bq)
 
             def update(carry):
                 dk, dv, dq_acc = carry
@@ -275,8 +268,7 @@ def backward(
                 )
                 return dk, dv, dq_acc
 
-            overlap = segments_overlap(qs, ks)
-            return _maybe(overlap, update, carry)
+            return _maybe(mask.may_see(qs, ks), update, carry)
 
         zeros = _compat.vary_like(jnp.zeros((b, g, bk, kd), F32), q, k, v, d_out)
         init = (zeros, zeros, dq_acc)

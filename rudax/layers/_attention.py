@@ -87,7 +87,8 @@ class Attention(nnx.Module):
       A module; calling it on ``x[B, T, d]`` returns an array of the same shape in the
       compute dtype. ``segment_ids`` and ``positions`` (integers ``[B, T]``, keyword-only)
       pack several examples into a row: attention stays within each segment and RoPE
-      rotates by each token's own position (``apply_rope``).
+      rotates by each token's own position (``apply_rope``). ``branch_ids`` (``[B, T]``,
+      causal only) pack a shared prefix and its continuations: ``flash_attention``'s.
 
     Example:
       >>> import jax.numpy as jnp
@@ -209,6 +210,7 @@ class Attention(nnx.Module):
         x_BxTxD: ArrayLike,
         *,
         segment_ids: jax.Array | None = None,
+        branch_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
     ) -> jax.Array:
         x_BxTxD = jnp.asarray(x_BxTxD)
@@ -236,6 +238,7 @@ class Attention(nnx.Module):
             v,
             causal=self.causal,
             segment_ids=segment_ids,
+            branch_ids=branch_ids,
             window=self.window,
             softcap=self.softcap,
             impl=self.impl,

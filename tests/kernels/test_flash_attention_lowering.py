@@ -75,3 +75,22 @@ def test_no_kernel_uses_atomics():
     for name in ("flash_attention_fwd", "flash_attention_dkdv", "flash_attention_dq"):
         assert name in text
     assert "atomic" not in text
+
+
+@pytest.mark.parametrize("window", [None, (4095, 0)], ids=["causal", "window"])
+def test_shared_prefix_rows_lower_for_cuda(window):
+    """branch_ids (and, with a window, the unshared positions) reach every kernel as blocks
+    of int32 ids; SmolLM's 9/3 heads of 64 on a row of 1024 + 8 x 128 tokens."""
+    b, t, h, g, k = 1, 1024 + 8 * 128, 9, 3, 64
+    assert_lowers_for_gpu(
+        lambda q, k, v, seg, br: rk.flash_attention(
+            q, k, v, causal=True, segment_ids=seg, branch_ids=br, window=window, impl="pallas"
+        ),
+        jax.ShapeDtypeStruct((b, t, h, k), BF16),
+        jax.ShapeDtypeStruct((b, t, g, k), BF16),
+        jax.ShapeDtypeStruct((b, t, g, k), BF16),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+        kernels=["flash_attention_fwd"],
+        backward_kernels=["flash_attention_dkdv", "flash_attention_dq"],
+    )

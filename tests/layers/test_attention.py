@@ -264,3 +264,16 @@ test_bad_arguments = rejects(
     num_heads=H,
     rngs=nnx.Rngs(0),
 )
+
+
+def test_shared_prefix_row_equals_each_continuation_alone():
+    """[prompt, a, b] with branch ids 0/1/2 and b's positions restarting after the prompt:
+    b's outputs are those of [prompt, b] computed alone (RoPE and the window included)."""
+    attn = rl.Attention(16, 4, num_kv_heads=2, window=(3, 0), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (1, 11, 16))
+    branch = jnp.array([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]])
+    positions = jnp.array([[0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7]])
+    shared = attn(x, branch_ids=branch, positions=positions)
+    alone = jnp.array([0, 1, 2, 3, 7, 8, 9, 10])
+    want = attn(x[:, alone])
+    np.testing.assert_allclose(shared[:, alone], want, rtol=1e-5, atol=1e-6)
