@@ -8,7 +8,8 @@ transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and w
 folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
 KV cache, ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for
 token-weighted accumulation), ``shard`` is a model's FSDP form, ``flops_per_token`` its
-training FLOPs (for MFU), and ``ChatTemplate`` renders a tokenizer's own chat template.
+training FLOPs (for MFU), ``ChatTemplate`` renders a tokenizer's own chat template, and
+``pack_shared_prefix`` lays out a prompt and its completions so the prompt is computed once.
 """
 
 # Public names, re-exported one per line (``from rudax.models._x import a as a``), sorted as
@@ -28,6 +29,8 @@ from rudax.models._loss import causal_lm_loss_sum as causal_lm_loss_sum
 from rudax.models._safetensors import SafetensorsFile as SafetensorsFile
 from rudax.models._safetensors_writer import save_safetensors as save_safetensors
 from rudax.models._shard import shard as shard
+from rudax.models._shared_prefix import SharedPrefixBatch as SharedPrefixBatch
+from rudax.models._shared_prefix import pack_shared_prefix as pack_shared_prefix
 
 __all__ = [
     "IGNORE_INDEX",
@@ -36,12 +39,14 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "SafetensorsFile",
+    "SharedPrefixBatch",
     "causal_lm_loss_sum",
     "flops_per_token",
     "from_pretrained",
     "generate",
     "load_chat_template",
     "open_checkpoint",
+    "pack_shared_prefix",
     "save_pretrained",
     "save_safetensors",
     "shard",

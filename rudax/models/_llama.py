@@ -89,7 +89,10 @@ class LlamaForCausalLM(nnx.Module):
 
     Calling the model on token ids ``[B, T]`` returns logits ``[B, T, V]`` in the compute
     dtype. Keyword arguments: ``positions`` ``[B, T]`` (RoPE's positions; default 0 .. T-1),
-    ``segment_ids`` ``[B, T]`` (packed rows: tokens attend within their segment only), and
+    ``segment_ids`` ``[B, T]`` (packed rows: tokens attend within their segment only),
+    ``branch_ids`` ``[B, T]`` (a shared prompt and its completions in one row, as
+    ``pack_shared_prefix`` builds it: 0 the prompt, g completion g, which sees the prompt and
+    itself only; give each completion positions restarting at the prompt's length), and
     ``cache``, a ``KVCache`` from ``init_cache``: then the call returns ``(logits, cache)``
     with the new tokens' keys and values written at ``cache.length``. With a cache, a call of
     T > 1 tokens is a prefill and must be the first (its attention sees only its own tokens);
@@ -211,10 +214,15 @@ class LlamaForCausalLM(nnx.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        branch_ids: jax.Array | None = None,
         cache: KVCache | None = None,
     ) -> Any:
         h, cache, _ = self.hidden_states(
-            input_ids, positions=positions, segment_ids=segment_ids, cache=cache
+            input_ids,
+            positions=positions,
+            segment_ids=segment_ids,
+            branch_ids=branch_ids,
+            cache=cache,
         )
         logits = self.lm_head(h)
         return logits if cache is None else (logits, cache)
@@ -225,6 +233,7 @@ class LlamaForCausalLM(nnx.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        branch_ids: jax.Array | None = None,
         cache: KVCache | None = None,
     ) -> tuple[jax.Array, KVCache | None, jax.Array]:
         """``(h, cache, aux_loss)``: the final norm's output ``[B, T, d]`` (what ``lm_head``
@@ -238,7 +247,8 @@ class LlamaForCausalLM(nnx.Module):
                 f"shape={ids.shape}, dtype={ids.dtype}"
             )
         b, t = ids.shape
-        for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+        given = (("positions", positions), ("segment_ids", segment_ids), ("branch_ids", branch_ids))
+        for name, value in given:
             if value is not None and jnp.shape(value) != (b, t):
                 raise ValueError(
                     f"{name} must be [batch, time] = {(b, t)}, got {name}.shape={jnp.shape(value)}"
@@ -248,10 +258,17 @@ class LlamaForCausalLM(nnx.Module):
                 raise ValueError("with a cache, pass positions (each row's token positions)")
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = jnp.asarray(positions, jnp.int32)
+        if branch_ids is not None and cache is not None:
+            raise ValueError(
+                "branch_ids is for training rows without a cache; to sample several "
+                "continuations of a prompt, use generate(..., num_samples=G)"
+            )
         x = self.model.embed_tokens(ids)
         if cache is None:
             _check_remat(self.remat)  # the attribute may have been set since __init__
             context = {"positions": positions, "segment_ids": segment_ids}
+            if branch_ids is not None:  # only when given: a stacked call's kwargs stay as they were
+                context["branch_ids"] = branch_ids
             if self.scan_layers:
                 x, (_, balance) = rl.scan_layers(
                     self.model.layers, x, remat_policy=self.remat, **context

@@ -59,6 +59,7 @@ class LlamaAttention(nnx.Module):
         *,
         positions: jax.Array,
         segment_ids: jax.Array | None,
+        branch_ids: jax.Array | None = None,
         cache: tuple[jax.Array, jax.Array] | None = None,
         cache_state: KVCache | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
@@ -83,7 +84,10 @@ class LlamaAttention(nnx.Module):
         )
         new_cache = None
         if cache is None or cache_state is None:
-            out = attend(q, k, v, causal=True, segment_ids=segment_ids, window=c.window)
+            out = attend(
+                q, k, v, causal=True, segment_ids=segment_ids, branch_ids=branch_ids,
+                window=c.window,
+            )  # fmt: skip
         else:
             keys, values = cache
             start = cache_state.length

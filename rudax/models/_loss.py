@@ -22,7 +22,7 @@ __all__ = ["IGNORE_INDEX", "causal_lm_loss_sum"]
 
 # transformers' and torch's label of a position that is not counted.
 IGNORE_INDEX = -100
-REQUIRED, OPTIONAL = ("tokens", "labels"), ("segment_ids", "positions")
+REQUIRED, OPTIONAL = ("tokens", "labels"), ("segment_ids", "branch_ids", "positions")
 
 
 def causal_lm_loss_sum(
@@ -34,8 +34,9 @@ def causal_lm_loss_sum(
     each position (already shifted: the next token of the same example) or ``-100``
     (``IGNORE_INDEX``) where nothing is counted (prompt tokens, padding, an example's last
     token); optionally ``segment_ids`` (1, 2, ... per example packed in a row, 0 for
-    padding: tokens attend within their example only) and ``positions`` (each token's place
-    in its own example). With ``counted = labels != -100``::
+    padding: tokens attend within their example only), ``branch_ids`` (a prompt shared by
+    its completions: ``pack_shared_prefix``) and ``positions`` (each token's place in its
+    own example). With ``counted = labels != -100``::
 
         h        = model.hidden_states(tokens, segment_ids=..., positions=...)
         ce_sum   = sum_{b,t} [counted] (logsumexp(logits[b, t]) - logits[b, t, labels[b, t]])
@@ -85,7 +86,10 @@ def causal_lm_loss_sum(
     arrays = _check_batch(batch)
     tokens, labels = arrays["tokens"], arrays["labels"]
     h, _, aux = model.hidden_states(
-        tokens, segment_ids=arrays.get("segment_ids"), positions=arrays.get("positions")
+        tokens,
+        segment_ids=arrays.get("segment_ids"),
+        branch_ids=arrays.get("branch_ids"),
+        positions=arrays.get("positions"),
     )
     head: Any = model.lm_head
     if isinstance(head, rs.ShardedModule):
