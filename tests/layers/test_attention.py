@@ -210,6 +210,7 @@ def test_the_options_are_passed_to_the_kernel(monkeypatch):
     layer(jnp.ones((2, T, D), F), segment_ids=seg, positions=jnp.asarray(POS))
     (kwargs,) = calls
     assert kwargs.pop("segment_ids") is seg
+    assert kwargs.pop("branch_ids") is None
     assert kwargs == dict(
         causal=False, window=(3, 1), softcap=2.0, impl="xla", interpret=False, block=block
     )
