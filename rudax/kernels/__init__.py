@@ -2,6 +2,8 @@
 
 ``flash_attention`` is attention in O(T) memory: Triton kernels on a GPU, the same blocked
 algorithm in ``lax`` loops elsewhere, both with an ordered (atomic-free) backward.
+``decode_attention`` is a decoding step's attention: one query per row over a KV cache (and a
+block shared by a prompt's samples), two batched matmuls over the cache as stored.
 
 Every Pallas op takes ``impl="auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or
 ``"xla"``, and an ``interpret`` flag that runs its Pallas kernel on any backend (for tests).
@@ -20,6 +22,10 @@ from rudax.kernels._adamw import adamw_update as adamw_update
 from rudax.kernels._adamw import adamw_update_reference as adamw_update_reference
 from rudax.kernels._compat import EXPORT_DISABLED_CHECKS as EXPORT_DISABLED_CHECKS
 from rudax.kernels._compat import gpu_export_target as gpu_export_target
+from rudax.kernels._decode_attention import decode_attention as decode_attention
+from rudax.kernels._decode_attention import (
+    decode_attention_reference as decode_attention_reference,
+)
 from rudax.kernels._determinism import DETERMINISTIC_XLA_FLAGS as DETERMINISTIC_XLA_FLAGS
 from rudax.kernels._determinism import enable_deterministic_gpu as enable_deterministic_gpu
 
@@ -74,6 +80,8 @@ __all__: list[str] = [
     "SiluMulBlock",
     "adamw_update",
     "adamw_update_reference",
+    "decode_attention",
+    "decode_attention_reference",
     "enable_deterministic_gpu",
     "flash_attention",
     "flash_attention_reference",
