@@ -6,8 +6,10 @@ Mixtral checkpoints, refusing (and naming) only a field that would change what t
 computes; ``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the model, with
 transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and write checkpoint
 folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
-KV cache, ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for
-token-weighted accumulation), ``shard`` is a model's FSDP form, ``flops_per_token`` its
+KV cache (``num_samples`` continuations of a prompt sharing its keys and values; with
+``return_logprobs``, a ``Generation`` with each token's log-probability),
+``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for token-weighted
+accumulation), ``shard`` is a model's FSDP form, ``flops_per_token`` its
 training FLOPs (for MFU), ``ChatTemplate`` renders a tokenizer's own chat template, and
 ``pack_shared_prefix`` lays out a prompt and its completions so the prompt is computed once.
 """
@@ -17,6 +19,7 @@ training FLOPs (for MFU), ``ChatTemplate`` renders a tokenizer's own chat templa
 from rudax.models._chat import ChatTemplate as ChatTemplate
 from rudax.models._chat import load_chat_template as load_chat_template
 from rudax.models._flops import flops_per_token as flops_per_token
+from rudax.models._generate import Generation as Generation
 from rudax.models._generate import generate as generate
 from rudax.models._hf_files import from_pretrained as from_pretrained
 from rudax.models._hf_files import open_checkpoint as open_checkpoint
@@ -35,6 +38,7 @@ from rudax.models._shared_prefix import pack_shared_prefix as pack_shared_prefix
 __all__ = [
     "IGNORE_INDEX",
     "ChatTemplate",
+    "Generation",
     "KVCache",
     "LlamaConfig",
     "LlamaForCausalLM",

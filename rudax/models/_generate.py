@@ -1,70 +1,141 @@
-"""``generate``: text from a ``rudax.models`` causal LM with a KV cache.
+"""``generate``: text from a ``rudax.models`` causal LM with a KV cache, G samples per prompt.
 
-The prompts are left-padded to a shared length, run once (prefill: causal attention over the
-prompt, its keys and values written into the cache), then one token per step (decode:
-attention of the new token over the cached slots) inside one ``lax.while_loop`` that stops
-when every row has met a stop token or the budget is spent. Prompt length and budget are
-rounded up to powers of two (at least 16), so prompts of similar sizes share one compiled
-program; the padding is masked, never attended to.
+The prompts are left-padded to a shared length and run once (prefill: causal attention over
+the prompt, its keys and values written to the cache's prompt block), then one token per
+sample per step (decode: attention of each sample's new token over its prompt's block and its
+own slots) inside one ``lax.while_loop`` that stops when every row has met a stop token or
+the budget is spent. A prompt's ``num_samples`` continuations share its block: the prompt is
+computed once and its keys and values stored once, never copied per sample (``KVCache``).
+Prompt length and budget are rounded up to powers of two (at least 16), so prompts of similar
+sizes share one compiled program; the padding is masked, never attended to.
 
 Sampling follows transformers' ``generate``: greedy (``temperature=0``), or softmax sampling
-at a temperature after top-k, then top-p (nucleus) filtering of the logits.
+at a temperature after top-k, then top-p (nucleus) filtering of the logits. The temperature,
+k and p are traced values of the compiled program: a new value does not recompile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["generate"]
+from rudax.models._kv_cache import KVCache
+
+__all__ = ["Generation", "generate"]
 
 _MIN_BUCKET = 16
+# The smallest temperature sampling takes: float32's smallest normal number. The logits are
+# divided by the temperature in float32, and XLA flushes a subnormal divisor to zero on the
+# CPU and the GPU (0 / 1e-45 is NaN there), so a smaller one would sample garbage.
+_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+_MAX_TEMPERATURE = float(np.finfo(np.float32).max)
+
+
+class Generation(NamedTuple):
+    """``generate(..., return_logprobs=True)``'s result: the tokens and their log-probabilities.
+
+    Attributes:
+      tokens: one list of new token ids per row, as ``generate`` returns them.
+      logprobs: for each token, ``log_softmax(logits / temperature)`` at it: its
+        log-probability under the unfiltered distribution at the sampling temperature (at
+        temperature 1 when greedy), the number a trainer's forward recomputes.
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Sampling:
-    temperature: float
-    top_k: int | None
-    top_p: float | None
+class _Mode:
+    """What shapes the sampling program (static); the temperature, k and p are traced."""
+
+    greedy: bool
+    top_k: bool  # filter by a top_k
+    top_p: bool  # filter by a top_p
 
 
 def _bucket(n: int) -> int:
     return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
-def _sample(logits_BxV: jax.Array, s: _Sampling, key: jax.Array) -> jax.Array:
-    logits = logits_BxV.astype(jnp.float32)
-    if s.temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / s.temperature
-    if s.top_k is not None and s.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if s.top_p is not None and s.top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose probability reaches top_p (the
-        # most likely token always), as transformers' TopPLogitsWarper does.
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
+def _filter(z_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array, mode: _Mode) -> jax.Array:
+    """``z`` with the tokens top-k, then top-p drop set to -inf (transformers' warpers)."""
+    if not (mode.top_k or mode.top_p):
+        return z_BxV
+    rows, v = z_BxV.shape
+    # One stable sort serves both filters (k and p are traced: no lax.top_k of a static k).
+    # Ties keep their index order, as argsort(-z) does.
+    index = jax.lax.broadcasted_iota(jnp.int32, z_BxV.shape, 1)
+    neg_sorted, order = jax.lax.sort((-z_BxV, index), dimension=1, is_stable=True, num_keys=1)
+    sorted_z = -neg_sorted
+    z = z_BxV
+    if mode.top_k:
+        # TopKLogitsWarper: drop what is below the k-th largest (ties with it stay).
+        kth = jax.lax.dynamic_slice_in_dim(sorted_z, jnp.clip(top_k, 1, v) - 1, 1, axis=1)
+        z = jnp.where(z < kth, -jnp.inf, z)
+        sorted_z = jnp.where(sorted_z < kth, -jnp.inf, sorted_z)
+    if mode.top_p:
+        # TopPLogitsWarper: keep the smallest set of most likely tokens whose probability
+        # reaches top_p, the most likely always; top_p = 1 keeps all.
+        probs = jax.nn.softmax(sorted_z, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
-        drop_sorted = before >= s.top_p
-        drop = (
-            jnp.zeros_like(drop_sorted)
-            .at[jnp.arange(logits.shape[0])[:, None], order]
-            .set(drop_sorted)
-        )
-        logits = jnp.where(drop, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        drop_sorted = (before >= top_p) & (top_p < 1.0)
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(rows)[:, None], order].set(drop_sorted)
+        z = jnp.where(drop, -jnp.inf, z)
+    return z
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "sampling"))
+def _sample(
+    logits_BxV: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    mode: _Mode,
+) -> tuple[jax.Array, jax.Array]:
+    """Each row's next token and its log-probability (see ``Generation.logprobs``)."""
+    logits = logits_BxV.astype(jnp.float32)
+    if mode.greedy:
+        token = jnp.argmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        # Shifted before the division, (logits - max) / T is <= 0: it cannot overflow for any
+        # normal T (a token far below the max goes to -inf, probability 0, as it should).
+        z = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+        logp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+        token = jax.random.categorical(key, _filter(z, top_k, top_p, mode), axis=-1)
+    token = token.astype(jnp.int32)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _prefill(
+    model: Any, ids_BxP: jax.Array, lengths_B: jax.Array, *, steps: int, num_samples: int
+) -> tuple[jax.Array, KVCache]:
+    """The prompts run once: each sample's first logits ``[B * n, V]`` and the cache."""
+    b, p = ids_BxP.shape
+    pad_B = p - lengths_B
+    slot = jnp.arange(p)[None, :]
+    real_BxP = slot >= pad_B[:, None]
+    positions = jnp.where(real_BxP, slot - pad_B[:, None], 0).astype(jnp.int32)
+    cache = model.init_cache(b, p + steps, num_samples=num_samples)
+    h, cache, _ = model.hidden_states(
+        ids_BxP, positions=positions, segment_ids=real_BxP.astype(jnp.int32), cache=cache
+    )
+    # Left-padded, the last slot is every prompt's last token: the only logits needed.
+    logits = model.lm_head(h[:, -1:])[:, 0]
+    return jnp.repeat(logits, num_samples, axis=0), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "num_samples", "mode"))
 def _run(
     graphdef: Any,
     state: Any,
@@ -73,43 +144,71 @@ def _run(
     stops: jax.Array,
     max_new: jax.Array,
     key: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
     *,
     steps: int,
-    sampling: _Sampling,
-) -> tuple[jax.Array, jax.Array]:
+    num_samples: int,
+    mode: _Mode,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     model = nnx.merge(graphdef, state)
-    b, p = ids_BxP.shape
-    pad_B = p - lengths_B
-    slot = jnp.arange(p)[None, :]
-    real_BxP = slot >= pad_B[:, None]
-    positions = jnp.where(real_BxP, slot - pad_B[:, None], 0).astype(jnp.int32)
-    cache = model.init_cache(b, p + steps)
-    logits, cache = model(
-        ids_BxP, positions=positions, segment_ids=real_BxP.astype(jnp.int32), cache=cache
-    )
-    out = jnp.zeros((b, steps), jnp.int32)
-    done = jnp.zeros((b,), bool)
+    last, cache = _prefill(model, ids_BxP, lengths_B, steps=steps, num_samples=num_samples)
+    rows = last.shape[0]
+    lengths = jnp.repeat(lengths_B, num_samples)  # prompt-major, as the cache's sample rows
+    out = jnp.zeros((rows, steps), jnp.int32)
+    logps = jnp.zeros((rows, steps), jnp.float32)
+    done = jnp.zeros((rows,), bool)
 
     def cond(carry: Any) -> Any:
-        step, _, done, _, _, _ = carry
+        step, _, _, done, _, _, _ = carry
         return (step < max_new) & ~jnp.all(done)
 
     def body(carry: Any) -> Any:
-        step, out, done, last_BxV, cache, key = carry
+        step, out, logps, done, last_BxV, cache, key = carry
         key, sub = jax.random.split(key)
-        token = _sample(last_BxV, sampling, sub)
+        token, logp = _sample(last_BxV, sub, temperature, top_k, top_p, mode)
         token = jnp.where(done, 0, token)
         out = out.at[:, step].set(token)
+        logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
         done = done | jnp.any(token[:, None] == stops[None, :], axis=-1)
-        pos = (lengths_B + step).astype(jnp.int32)[:, None]
+        pos = (lengths + step).astype(jnp.int32)[:, None]
         logits, cache = model(token[:, None], positions=pos, cache=cache)
-        return step + 1, out, done, logits[:, -1], cache, key
+        return step + 1, out, logps, done, logits[:, -1], cache, key
 
-    carry = (jnp.zeros((), jnp.int32), out, done, logits[:, -1], cache, key)
-    step, out, done, _, _, _ = jax.lax.while_loop(cond, body, carry)
-    return out, step
+    carry = (jnp.zeros((), jnp.int32), out, logps, done, last, cache, key)
+    step, out, logps, _, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    return out, logps, step
 
 
+@overload
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+    max_new_tokens: int,
+    *,
+    temperature: float = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
+    stop_tokens: int | Sequence[int] | None = ...,
+    rng: jax.Array | None = ...,
+    num_samples: int = ...,
+    return_logprobs: Literal[False] = ...,
+) -> list[list[int]]: ...
+@overload
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+    max_new_tokens: int,
+    *,
+    temperature: float = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
+    stop_tokens: int | Sequence[int] | None = ...,
+    rng: jax.Array | None = ...,
+    num_samples: int = ...,
+    return_logprobs: Literal[True],
+) -> Generation: ...
 def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
@@ -120,29 +219,56 @@ def generate(
     top_p: float | None = None,
     stop_tokens: int | Sequence[int] | None = None,
     rng: jax.Array | None = None,
-) -> list[list[int]]:
-    """New tokens after each prompt, greedy or sampled, with a KV cache.
+    num_samples: int = 1,
+    return_logprobs: bool = False,
+) -> list[list[int]] | Generation:
+    """New tokens after each prompt, greedy or sampled, ``num_samples`` per prompt, with a
+    KV cache in which a prompt's keys and values are shared by its samples.
+
+    The prompts are prefilled once; each prompt's keys and values are stored once, in the
+    cache's prompt block, and every one of its samples attends to that block (one batched
+    matmul reads it for all of them) and to its own generated tokens: a page table of depth
+    two (``KVCache``). The cache holds ``B * P + B * num_samples * N`` slots per layer (P
+    the padded prompt length, N the padded budget), not ``B * num_samples * (P + N)``.
+
+    Sampling draws from ``softmax(filtered(logits / temperature))``, the filters being
+    transformers' ``TopKLogitsWarper`` then ``TopPLogitsWarper``. The temperature, ``top_k``
+    and ``top_p`` are traced values of the compiled program, so a new value reuses it; what
+    shapes the program is static: greedy or not (``temperature == 0``), and whether ``top_k``
+    and ``top_p`` are given (None filters nothing and skips the sort).
 
     Args:
       model: a ``rudax.models`` causal LM (``LlamaForCausalLM``), plain, with LoRA adapters
-        (``rudax.layers.apply_lora``) or an NF4 base; it is not modified.
-      prompts: token ids, one sequence per row (rows may differ in length; each at least one
-        token), or a ``[B, T]`` array.
+        (``rudax.layers.apply_lora``) or an NF4 base, per-layer or stacked; it is not modified.
+      prompts: token ids (ints), one sequence per row (rows may differ in length; each at
+        least one token), or an integer ``[B, T]`` array.
       max_new_tokens: the most tokens to add to each row, >= 1.
       temperature: 0 for greedy decoding (the argmax, as transformers' ``do_sample=False``);
-        > 0 to sample from ``softmax(logits / temperature)``.
+        otherwise at least float32's smallest normal number (1.1754944e-38) to sample from
+        ``softmax(logits / temperature)``.
       top_k: with sampling, keep the k most likely tokens only (None: all).
       top_p: with sampling, keep the most likely tokens whose probability sums to top_p
         (None or 1.0: all).
       stop_tokens: token ids that end a row (included in its output); None for the model's
         ``config.eos_token_id``.
       rng: a ``jax.random.key`` for sampling; None for ``key(0)``.
+      num_samples: G, the continuations of each prompt, an int >= 1 (transformers'
+        ``num_return_sequences``).
+      return_logprobs: also return each token's log-probability: ``log_softmax(logits /
+        temperature)`` at the token, over the logits before top-k/top-p filtering (at
+        temperature 1 when greedy). That is what a trainer recomputes from its own forward
+        (TRL's GRPOTrainer divides its logits by the sampling temperature and filters
+        nothing) and vLLM's ``processed_logprobs`` without the filters, so sampler and
+        trainer can be compared token for token.
 
     Returns:
-      One list of new token ids per prompt, ending at its first stop token or after
-      ``max_new_tokens``.
+      One list of new token ids per row, ending at its first stop token or after
+      ``max_new_tokens``; the rows prompt-major: ``B * G`` rows, rows ``i * G .. i * G + G -
+      1`` prompt ``i``'s samples. With ``return_logprobs``, a ``Generation`` of those tokens
+      and their log-probabilities.
 
     Example:
+      >>> import jax
       >>> from flax import nnx
       >>> from rudax.models import LlamaConfig, LlamaForCausalLM, generate
       >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
@@ -151,33 +277,38 @@ def generate(
       >>> out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=5)
       >>> [len(row) for row in out]
       [5, 5]
+      >>> # 3 samples of each prompt, sharing the prompt's keys and values
+      >>> samples = generate(model, [[1, 2, 3], [4, 5]], 5, temperature=1.0, num_samples=3,
+      ...                    rng=jax.random.key(1), return_logprobs=True)
+      >>> len(samples.tokens), len(samples.logprobs[0])
+      (6, 5)
     """
-    if not callable(getattr(model, "init_cache", None)):
+    if not all(callable(getattr(model, a, None)) for a in ("init_cache", "hidden_states")):
         raise TypeError(
             f"model must be a rudax.models causal LM with a KV cache (LlamaForCausalLM), got "
             f"{type(model).__name__}"
         )
-    if isinstance(prompts, np.ndarray | jax.Array):
-        prompts = np.asarray(prompts).tolist()
-    rows = [[int(t) for t in row] for row in prompts]
-    if not rows or any(len(row) == 0 for row in rows):
-        raise ValueError("prompts must hold at least one row, each of at least one token")
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    for i, row in enumerate(rows):
-        bad = [t for t in row if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise ValueError(f"prompts[{i}] holds token id {bad[0]}, outside [0, {vocab})")
+    rows = _check_prompts(prompts, getattr(config, "vocab_size", None))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not (isinstance(temperature, int | float) and temperature >= 0):
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    temperature = _check_temperature(temperature)
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1
+    ):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+    if top_p is not None and not (
+        isinstance(top_p, numbers.Real) and not isinstance(top_p, bool) and 0 < top_p <= 1
+    ):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral):
+        raise TypeError(f"num_samples must be an int, got {num_samples=!r}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples=}")
+    if not isinstance(return_logprobs, bool):
+        raise TypeError(f"return_logprobs must be a bool, got {return_logprobs=!r}")
     if stop_tokens is None:
         stop_tokens = getattr(config, "eos_token_id", None)
     stops = (
@@ -187,30 +318,115 @@ def generate(
     )
     # -1 matches no token: a fixed-size stop array keeps one program for any stop set size.
     stop_array = jnp.asarray(stops + [-1] * (8 - len(stops) % 8), jnp.int32)
-    p = _bucket(max(len(row) for row in rows))
-    ids = np.zeros((len(rows), p), np.int32)
-    for i, row in enumerate(rows):
-        ids[i, p - len(row) :] = row
-    lengths = jnp.asarray([len(row) for row in rows], jnp.int32)
-    sampling = _Sampling(float(temperature), top_k, None if top_p is None else float(top_p))
+    ids, lengths = _pad(rows)
+    greedy = temperature == 0.0
+    mode = _Mode(greedy, not greedy and top_k is not None, not greedy and top_p is not None)
     graphdef, state = nnx.split(model)
-    out, steps = _run(
+    out, logps, steps = _run(
         graphdef,
         state,
-        jnp.asarray(ids),
+        ids,
         lengths,
         stop_array,
         jnp.asarray(max_new_tokens, jnp.int32),
         jax.random.key(0) if rng is None else rng,
+        jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+        jnp.asarray(min(int(top_k or 1), 2**31 - 1), jnp.int32),
+        jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
         steps=_bucket(max_new_tokens),
-        sampling=sampling,
+        num_samples=int(num_samples),
+        mode=mode,
     )
-    out_np = np.asarray(out)[:, : int(steps)]
-    result = []
-    for row in out_np.tolist():
+    n = int(steps)
+    tokens, logprobs = [], []
+    out_rows, logp_rows = np.asarray(out)[:, :n].tolist(), np.asarray(logps)[:, :n].tolist()
+    for row, row_logps in zip(out_rows, logp_rows, strict=True):
         for j, token in enumerate(row):
             if token in stops:
-                row = row[: j + 1]
+                row, row_logps = row[: j + 1], row_logps[: j + 1]
                 break
-        result.append(row)
-    return result
+        tokens.append(row)
+        logprobs.append(row_logps)
+    return Generation(tokens, logprobs) if return_logprobs else tokens
+
+
+def _check_prompts(prompts: Any, vocab: int | None) -> list[list[int]]:
+    """The prompts as lists of Python ints; a float or bool id is refused, never truncated."""
+    if isinstance(prompts, np.ndarray | jax.Array):
+        array = np.asarray(prompts)
+        if array.dtype.kind not in "iu":
+            raise TypeError(
+                f"prompts must hold integer token ids, got an array of dtype {array.dtype}"
+            )
+        if array.ndim != 2:
+            raise ValueError(f"prompts must be a [batch, time] array, got shape {array.shape}")
+        prompts = array.tolist()
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a sequence of token id rows, got {prompts!r}")
+    rows = []
+    for i, row in enumerate(prompts):
+        if isinstance(row, np.ndarray | jax.Array) and np.asarray(row).dtype.kind not in "iu":
+            raise TypeError(f"prompts[{i}] must hold integer token ids, got dtype {row.dtype}")
+        if isinstance(row, str | bytes) or not isinstance(row, Sequence | np.ndarray | jax.Array):
+            raise TypeError(f"prompts[{i}] must be a sequence of token ids, got {row!r}")
+        row = np.asarray(row).tolist() if isinstance(row, np.ndarray | jax.Array) else row
+        for j, t in enumerate(row):
+            if isinstance(t, bool | np.bool_) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"prompts[{i}][{j}] must be an int token id, got {t!r}")
+        rows.append([int(t) for t in row])
+    if not rows or any(len(row) == 0 for row in rows):
+        raise ValueError("prompts must hold at least one row, each of at least one token")
+    for i, row in enumerate(rows):
+        bad = [t for t in row if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompts[{i}] holds token id {bad[0]}, outside [0, {vocab})")
+    return rows
+
+
+def _check_temperature(temperature: Any) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number >= 0, got {temperature!r}")
+    t = float(temperature)
+    if not t >= 0:  # negative or NaN
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not (math.isfinite(t) and t <= _MAX_TEMPERATURE):
+        raise ValueError(
+            f"temperature must be finite in float32 (at most {_MAX_TEMPERATURE:.8g}), got "
+            f"{temperature=!r}"
+        )
+    if 0 < t < _MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be 0 (greedy) or at least {_MIN_TEMPERATURE:.8g}, float32's "
+            f"smallest normal number (the logits are divided by it in float32, where a smaller "
+            f"divisor is flushed to zero), got {temperature=!r}"
+        )
+    return t
+
+
+def _pad(rows: list[list[int]]) -> tuple[jax.Array, jax.Array]:
+    """The rows left-padded with 0 to a bucketed length ``[B, P]``, and their lengths."""
+    p = _bucket(max(len(row) for row in rows))
+    ids = np.zeros((len(rows), p), np.int32)
+    for i, row in enumerate(rows):
+        ids[i, p - len(row) :] = row
+    return jnp.asarray(ids), jnp.asarray([len(row) for row in rows], jnp.int32)
+
+
+def _cache_shapes(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    num_samples: int = 1,
+) -> KVCache:
+    """The cache ``generate``'s prefill makes for these arguments, as ``jax.ShapeDtypeStruct``
+    leaves (``jax.eval_shape``: nothing runs); ``.nbytes`` is its keys' and values' bytes."""
+    ids, lengths = _pad(_check_prompts(prompts, None))
+    graphdef, state = nnx.split(model)
+
+    def cache(state: Any, ids: jax.Array, lengths: jax.Array) -> KVCache:
+        model = nnx.merge(graphdef, state)
+        steps = _bucket(max_new_tokens)
+        return _prefill(model, ids, lengths, steps=steps, num_samples=num_samples)[1]
+
+    return jax.eval_shape(cache, state, ids, lengths)

@@ -13,7 +13,8 @@ packed rows, Mistral's window), a SwiGLU MLP (or Mixtral's routed experts), opti
 
 A forward call takes token ids and returns logits. Generation passes a ``KVCache``
 (``init_cache``): the prompt is run once (prefill, causal attention over it, keys and values
-written to the cache), then one token per call (decode, attention over the cached slots).
+written to the cache's prompt block, shared by the prompt's samples), then one token per
+sample per call (decode, attention over the prompt's slots and the sample's own).
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ class LlamaForCausalLM(nnx.Module):
     ``pack_shared_prefix`` builds it: 0 the prompt, g completion g, which sees the prompt and
     itself only; give each completion positions restarting at the prompt's length), and
     ``cache``, a ``KVCache`` from ``init_cache``: then the call returns ``(logits, cache)``
-    with the new tokens' keys and values written at ``cache.length``. With a cache, a call of
-    T > 1 tokens is a prefill and must be the first (its attention sees only its own tokens);
-    later calls add one token each (``generate`` does both).
+    with the new tokens' keys and values written to it. The first call with a cache is the
+    prefill: B prompt rows of T tokens, written once to the cache's prompt block (their
+    attention sees only their own tokens). Each later call adds one token to each of the
+    cache's ``B * num_samples`` sample rows (prompt-major), attending to its prompt's block
+    and its own (``rudax.kernels.decode_attention``); ``generate`` does both.
 
     Example:
       >>> import jax.numpy as jnp
@@ -186,25 +189,46 @@ class LlamaForCausalLM(nnx.Module):
             if hasattr(layer, "block_sparse_moe"):
                 layer.block_sparse_moe.impl = impl
 
-    def init_cache(self, batch_size: int, size: int, *, dtype: DTypeLike | None = None) -> KVCache:
-        """An empty ``KVCache`` of ``size`` slots for ``batch_size`` rows.
+    def init_cache(
+        self,
+        batch_size: int,
+        size: int,
+        *,
+        num_samples: int = 1,
+        dtype: DTypeLike | None = None,
+    ) -> KVCache:
+        """An empty ``KVCache``: ``size`` slots for each of ``num_samples`` samples of
+        ``batch_size`` prompts.
+
+        The prefill (the first call with the cache) fills the prompt block with its T tokens,
+        once per prompt, and leaves each sample ``size - T`` slots of its own.
 
         Args:
-          batch_size: B.
-          size: S, slots: the prompt's padded length plus the tokens to generate (past
-            ``max_position_embeddings`` RoPE was never trained, but nothing refuses it).
+          batch_size: B, the prompts.
+          size: slots per sample: the prompt's padded length plus the tokens to generate
+            (past ``max_position_embeddings`` RoPE was never trained, but nothing refuses it).
+          num_samples: the continuations of each prompt, sharing its keys and values.
           dtype: the cache's dtype; None for the compute dtype.
         """
         c = self.config
         assert c.num_key_value_heads is not None and c.head_dim is not None
-        shape = (batch_size, size, c.num_key_value_heads, c.head_dim)
+        for name, value in (("batch_size", batch_size), ("size", size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {name}={value!r}")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an int >= 1, got {num_samples=!r}")
+        g, k, rows = c.num_key_value_heads, c.head_dim, batch_size * num_samples
         dt = self.dtype if dtype is None else jnp.dtype(dtype)
-        empty = lambda: tuple(jnp.zeros(shape, dt) for _ in range(c.num_hidden_layers))
+        empty = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(c.num_hidden_layers))
         return KVCache(
-            keys=empty(),
-            values=empty(),
-            valid=jnp.zeros((batch_size, size), bool),
-            positions=jnp.zeros((batch_size, size), jnp.int32),
+            prompt_keys=empty((batch_size, g, 0, k)),
+            prompt_values=empty((batch_size, g, 0, k)),
+            prompt_valid=jnp.zeros((batch_size, 0), bool),
+            prompt_positions=jnp.zeros((batch_size, 0), jnp.int32),
+            sample_keys=empty((rows, g, size, k)),
+            sample_values=empty((rows, g, size, k)),
+            sample_valid=jnp.zeros((rows, size), bool),
+            sample_positions=jnp.zeros((rows, size), jnp.int32),
             length=jnp.zeros((), jnp.int32),
         )
 
@@ -285,15 +309,51 @@ class LlamaForCausalLM(nnx.Module):
                 )
             aux = jnp.zeros((), jnp.float32) if balance is None else load_balancing_loss(*balance)
             return self.model.norm(x), None, aux
-        if cache.valid.shape[0] != b:
-            raise ValueError(f"cache holds {cache.valid.shape[0]} rows, input_ids {b}")
-        # The slots these tokens fill, and which of them hold real tokens (segment 1).
+        return self._cached_hidden_states(x, positions, segment_ids, cache)
+
+    def _cached_hidden_states(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: KVCache
+    ) -> tuple[jax.Array, KVCache, jax.Array]:
+        """``hidden_states`` with a cache: the prefill (the first call: B prompt rows, written
+        to the prompt block), or one decoding step (B * num_samples rows, each writing its own
+        block)."""
+        b, t, _ = x.shape
+        # The slots these tokens fill hold real tokens where the segment id is not 0.
         new_valid = jnp.ones((b, t), bool) if segment_ids is None else segment_ids != 0
-        start = cache.length
-        valid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, start))
-        slot_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, start))
-        state = dataclasses.replace(cache, valid=valid, positions=slot_positions)
-        keys, values = [], []
+        sample_keys, sample_values = cache.sample_keys, cache.sample_values
+        if cache.prompt_size == 0:  # the prefill
+            if b != cache.batch_size:
+                raise ValueError(f"cache holds {cache.batch_size} prompts, input_ids {b} rows")
+            if t > cache.size:
+                raise ValueError(f"cache of {cache.size} slots cannot hold a prefill of {t} tokens")
+            # The prompt block is these tokens; each sample keeps the other size - t slots.
+            own = cache.size - t
+            state = dataclasses.replace(
+                cache,
+                prompt_valid=new_valid,
+                prompt_positions=positions,
+                sample_valid=cache.sample_valid[:, :own],
+                sample_positions=cache.sample_positions[:, :own],
+            )
+            sample_keys = tuple(a[:, :, :own] for a in sample_keys)
+            sample_values = tuple(a[:, :, :own] for a in sample_values)
+        else:
+            rows = cache.sample_valid.shape[0]
+            if b != rows or t != 1:
+                raise ValueError(
+                    f"after the prefill a call adds one token to each of the cache's {rows} "
+                    f"sample rows (prompt-major), got input_ids of shape {(b, t)}"
+                )
+            slot = cache.length - cache.prompt_size
+            update = lambda a, new: jax.lax.dynamic_update_slice(a, new, (0, slot))
+            state = dataclasses.replace(
+                cache,
+                sample_valid=update(cache.sample_valid, new_valid),
+                sample_positions=update(cache.sample_positions, positions),
+            )
+        blocks = zip(
+            cache.prompt_keys, cache.prompt_values, sample_keys, sample_values, strict=True
+        )
         layers = self.model.layers
         if is_stacked(layers):
             # Decoding a stacked model: each layer's slice, one at a time (a scan would need
@@ -303,22 +363,20 @@ class LlamaForCausalLM(nnx.Module):
                 nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
                 for i in range(self.config.num_hidden_layers)
             ]
-        for i, layer in enumerate(layers):
-            x, (kv, _) = layer(
-                x,
-                positions=positions,
-                segment_ids=segment_ids,
-                cache=(cache.keys[i], cache.values[i]),
-                cache_state=state,
+        written = []
+        for layer, block in zip(layers, blocks, strict=True):
+            x, (block, _) = layer(
+                x, positions=positions, segment_ids=segment_ids, cache=block, cache_state=state
             )
-            assert kv is not None  # a layer given a cache returns it
-            keys.append(kv[0])
-            values.append(kv[1])
-        new = KVCache(
-            keys=tuple(keys),
-            values=tuple(values),
-            valid=valid,
-            positions=slot_positions,
-            length=start + t,
+            assert block is not None  # a layer given a cache returns it
+            written.append(block)
+        pk, pv, sk, sv = (tuple(arrays) for arrays in zip(*written, strict=True))
+        new = dataclasses.replace(
+            state,
+            prompt_keys=pk,
+            prompt_values=pv,
+            sample_keys=sk,
+            sample_values=sv,
+            length=cache.length + t,
         )
         return self.model.norm(x), new, jnp.zeros((), jnp.float32)

@@ -1,7 +1,8 @@
 """The layers of a Llama decoder block, with Hugging Face's attribute names: ``LlamaAttention``
-(grouped-query attention with RoPE, prefill and decode through a ``KVCache``), ``LlamaMLP``
-(SwiGLU) and ``LlamaDecoderLayer`` (pre-norm residual block, with Mixtral's
-``block_sparse_moe`` from ``_mixtral.py`` in place of ``mlp`` when the config has experts).
+(grouped-query attention with RoPE, prefill and decode through a ``KVCache`` whose prompt
+block is shared by the prompt's samples), ``LlamaMLP`` (SwiGLU) and ``LlamaDecoderLayer``
+(pre-norm residual block, with Mixtral's ``block_sparse_moe`` from ``_mixtral.py`` in place of
+``mlp`` when the config has experts).
 ``LlamaForCausalLM`` in ``_llama.py`` stacks them.
 """
 
@@ -60,9 +61,9 @@ class LlamaAttention(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array | None,
         branch_ids: jax.Array | None = None,
-        cache: tuple[jax.Array, jax.Array] | None = None,
+        cache: tuple[jax.Array, ...] | None = None,
         cache_state: KVCache | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
         c = self.config
         b, t, _ = x_BxTxD.shape
         h, g, kd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -88,31 +89,53 @@ class LlamaAttention(nnx.Module):
                 q, k, v, causal=True, segment_ids=segment_ids, branch_ids=branch_ids,
                 window=c.window,
             )  # fmt: skip
+        elif cache[0].shape[2] == 0:
+            # Prefill (the prompt block is empty): the prompt's own causal attention; its keys
+            # and values become the prompt block, kv-head-major (the cache's one transpose).
+            out = attend(q, k, v, causal=True, segment_ids=segment_ids, window=c.window)
+            _, _, own_k, own_v = cache
+            to_block = lambda x: x.transpose(0, 2, 1, 3).astype(own_k.dtype)
+            new_cache = (to_block(k), to_block(v), own_k, own_v)
         else:
-            keys, values = cache
-            start = cache_state.length
-            keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
-            values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
-            new_cache = (keys, values)
-            if t > 1:
-                # Prefill: the cache is empty before these tokens (checked by the caller), so
-                # attention is over the new tokens alone, causal.
-                out = attend(q, k, v, causal=True, segment_ids=segment_ids, window=c.window)
-            else:
-                # Decode: one query over every slot; the slots it may see (real tokens up to
-                # its own, and within the window) are the kv segment 1, the rest 0.
-                seen = cache_state.valid
-                if c.sliding_window is not None:
-                    reach = positions[:, :1] - cache_state.positions < c.sliding_window
-                    seen = seen & reach
-                out = attend(
-                    q,
-                    keys.astype(q.dtype),
-                    values.astype(q.dtype),
-                    segment_ids=jnp.ones((b, 1), jnp.int32),
-                    kv_segment_ids=seen.astype(jnp.int32),
-                )
+            out, new_cache = self._decode(q, k, v, positions, cache, cache_state)
         return self.o_proj(out.reshape(b, t, h * kd)), new_cache
+
+    def _decode(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        cache: tuple[jax.Array, ...],
+        state: KVCache,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """One token per sample row: its key and value written to the row's own block, its
+        query attending to its prompt's block (shared by the prompt's samples) and its own."""
+        prompt_k, prompt_v, own_k, own_v = cache
+        slot = state.length - state.prompt_size
+        write = lambda block, x: jax.lax.dynamic_update_slice(
+            block, x.transpose(0, 2, 1, 3).astype(block.dtype), (0, 0, slot, 0)
+        )
+        own_k, own_v = write(own_k, k), write(own_v, v)
+        # The slots a query sees: real tokens up to its own, and within Mistral's window.
+        n = state.num_samples
+        prompt_seen = jnp.repeat(state.prompt_valid, n, axis=0)
+        own_seen = state.sample_valid
+        window = self.config.sliding_window
+        if window is not None:
+            q_pos = positions[:, :1]
+            prompt_seen &= q_pos - jnp.repeat(state.prompt_positions, n, axis=0) < window
+            own_seen &= q_pos - state.sample_positions < window
+        out = rk.decode_attention(
+            q[:, 0],
+            own_k.astype(q.dtype),
+            own_v.astype(q.dtype),
+            own_seen,
+            shared_k=prompt_k.astype(q.dtype),
+            shared_v=prompt_v.astype(q.dtype),
+            shared_visible=prompt_seen,
+        )
+        return out[:, None], (prompt_k, prompt_v, own_k, own_v)
 
 
 class LlamaMLP(nnx.Module):
