@@ -38,7 +38,7 @@ def causal_lm_loss_sum(
     its completions: ``pack_shared_prefix``) and ``positions`` (each token's place in its
     own example). With ``counted = labels != -100``::
 
-        h        = model.hidden_states(tokens, segment_ids=..., positions=...)
+        h        = model.hidden_states(tokens, segment_ids=..., branch_ids=..., positions=...)
         ce_sum   = sum_{b,t} [counted] (logsumexp(logits[b, t]) - logits[b, t, labels[b, t]])
 
     with ``logits = h @ lm_head.T`` computed ``chunk`` tokens at a time by
