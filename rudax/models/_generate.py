@@ -16,9 +16,7 @@ k and p are traced values of the compiled program: a new value does not recompil
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, overload
@@ -29,15 +27,11 @@ import numpy as np
 from flax import nnx
 
 from rudax.models._kv_cache import KVCache
+from rudax.models._sampling import Mode, check_temperature, sample
 
 __all__ = ["Generation", "generate"]
 
 _MIN_BUCKET = 16
-# The smallest temperature sampling takes: float32's smallest normal number. The logits are
-# divided by the temperature in float32, and XLA flushes a subnormal divisor to zero on the
-# CPU and the GPU (0 / 1e-45 is NaN there), so a smaller one would sample garbage.
-_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
-_MAX_TEMPERATURE = float(np.finfo(np.float32).max)
 
 
 class Generation(NamedTuple):
@@ -54,67 +48,8 @@ class Generation(NamedTuple):
     logprobs: list[list[float]]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Mode:
-    """What shapes the sampling program (static); the temperature, k and p are traced."""
-
-    greedy: bool
-    top_k: bool  # filter by a top_k
-    top_p: bool  # filter by a top_p
-
-
 def _bucket(n: int) -> int:
     return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
-
-
-def _filter(z_BxV: jax.Array, top_k: jax.Array, top_p: jax.Array, mode: _Mode) -> jax.Array:
-    """``z`` with the tokens top-k, then top-p drop set to -inf (transformers' warpers)."""
-    if not (mode.top_k or mode.top_p):
-        return z_BxV
-    rows, v = z_BxV.shape
-    # One stable sort serves both filters (k and p are traced: no lax.top_k of a static k).
-    # Ties keep their index order, as argsort(-z) does.
-    index = jax.lax.broadcasted_iota(jnp.int32, z_BxV.shape, 1)
-    neg_sorted, order = jax.lax.sort((-z_BxV, index), dimension=1, is_stable=True, num_keys=1)
-    sorted_z = -neg_sorted
-    z = z_BxV
-    if mode.top_k:
-        # TopKLogitsWarper: drop what is below the k-th largest (ties with it stay).
-        kth = jax.lax.dynamic_slice_in_dim(sorted_z, jnp.clip(top_k, 1, v) - 1, 1, axis=1)
-        z = jnp.where(z < kth, -jnp.inf, z)
-        sorted_z = jnp.where(sorted_z < kth, -jnp.inf, sorted_z)
-    if mode.top_p:
-        # TopPLogitsWarper: keep the smallest set of most likely tokens whose probability
-        # reaches top_p, the most likely always; top_p = 1 keeps all.
-        probs = jax.nn.softmax(sorted_z, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
-        drop_sorted = (before >= top_p) & (top_p < 1.0)
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(rows)[:, None], order].set(drop_sorted)
-        z = jnp.where(drop, -jnp.inf, z)
-    return z
-
-
-def _sample(
-    logits_BxV: jax.Array,
-    key: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    mode: _Mode,
-) -> tuple[jax.Array, jax.Array]:
-    """Each row's next token and its log-probability (see ``Generation.logprobs``)."""
-    logits = logits_BxV.astype(jnp.float32)
-    if mode.greedy:
-        token = jnp.argmax(logits, axis=-1)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-    else:
-        # Shifted before the division, (logits - max) / T is <= 0: it cannot overflow for any
-        # normal T (a token far below the max goes to -inf, probability 0, as it should).
-        z = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
-        logp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
-        token = jax.random.categorical(key, _filter(z, top_k, top_p, mode), axis=-1)
-    token = token.astype(jnp.int32)
-    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
 def _prefill(
@@ -150,7 +85,7 @@ def _run(
     *,
     steps: int,
     num_samples: int,
-    mode: _Mode,
+    mode: Mode,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     model = nnx.merge(graphdef, state)
     last, cache = _prefill(model, ids_BxP, lengths_B, steps=steps, num_samples=num_samples)
@@ -167,7 +102,7 @@ def _run(
     def body(carry: Any) -> Any:
         step, out, logps, done, last_BxV, cache, key = carry
         key, sub = jax.random.split(key)
-        token, logp = _sample(last_BxV, sub, temperature, top_k, top_p, mode)
+        token, logp = sample(last_BxV, sub, temperature, top_k, top_p, mode)
         token = jnp.where(done, 0, token)
         out = out.at[:, step].set(token)
         logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
@@ -294,7 +229,7 @@ def generate(
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if top_k is not None and (
         isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1
     ):
@@ -320,7 +255,7 @@ def generate(
     stop_array = jnp.asarray(stops + [-1] * (8 - len(stops) % 8), jnp.int32)
     ids, lengths = _pad(rows)
     greedy = temperature == 0.0
-    mode = _Mode(greedy, not greedy and top_k is not None, not greedy and top_p is not None)
+    mode = Mode(greedy, not greedy and top_k is not None, not greedy and top_p is not None)
     graphdef, state = nnx.split(model)
     out, logps, steps = _run(
         graphdef,
@@ -381,26 +316,6 @@ def _check_prompts(prompts: Any, vocab: int | None) -> list[list[int]]:
         if bad:
             raise ValueError(f"prompts[{i}] holds token id {bad[0]}, outside [0, {vocab})")
     return rows
-
-
-def _check_temperature(temperature: Any) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number >= 0, got {temperature!r}")
-    t = float(temperature)
-    if not t >= 0:  # negative or NaN
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if not (math.isfinite(t) and t <= _MAX_TEMPERATURE):
-        raise ValueError(
-            f"temperature must be finite in float32 (at most {_MAX_TEMPERATURE:.8g}), got "
-            f"{temperature=!r}"
-        )
-    if 0 < t < _MIN_TEMPERATURE:
-        raise ValueError(
-            f"temperature must be 0 (greedy) or at least {_MIN_TEMPERATURE:.8g}, float32's "
-            f"smallest normal number (the logits are divided by it in float32, where a smaller "
-            f"divisor is flushed to zero), got {temperature=!r}"
-        )
-    return t
 
 
 def _pad(rows: list[list[int]]) -> tuple[jax.Array, jax.Array]:

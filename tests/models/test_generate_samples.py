@@ -19,7 +19,8 @@ from transformers.generation import logits_process as hf_warpers
 
 import rudax.layers as rl
 from rudax.models import Generation, LlamaConfig, LlamaForCausalLM, generate
-from rudax.models._generate import _cache_shapes, _filter, _Mode, _run
+from rudax.models._generate import _cache_shapes, _run
+from rudax.models._sampling import Mode, filter_logits
 from tests._catalog import Bad, Holds, catalog
 from tests.models._reference import hf_greedy
 from tests.models.test_llama import _hf_model, _ours
@@ -159,12 +160,12 @@ def test_filters_keep_what_transformers_warpers_keep(k, p):
         scores = warper(None, scores)
     want = torch.isinf(scores).numpy()
     z = (logits - logits.max(-1, keepdims=True)) / t
-    filtered = _filter_jit(jnp.asarray(z), jnp.int32(k), jnp.float32(p), _Mode(False, True, True))
+    filtered = _filter_jit(jnp.asarray(z), jnp.int32(k), jnp.float32(p), Mode(False, True, True))
     np.testing.assert_array_equal(np.isinf(np.asarray(filtered)), want)
     assert _filter_jit._cache_size() == 1
 
 
-_filter_jit = jax.jit(_filter, static_argnames="mode")
+_filter_jit = jax.jit(filter_logits, static_argnames="mode")
 
 
 def test_the_cache_holds_each_prompt_once_and_each_samples_own_tokens(model):
