@@ -218,7 +218,8 @@ def generate(
       >>> len(samples.tokens), len(samples.logprobs[0])
       (6, 5)
     """
-    if not all(callable(getattr(model, a, None)) for a in ("init_cache", "hidden_states")):
+    needs = ("init_cache", "hidden_states", "lm_head")  # the cache, the prefill, its logits
+    if not all(callable(getattr(model, a, None)) for a in needs):
         raise TypeError(
             f"model must be a rudax.models causal LM with a KV cache (LlamaForCausalLM), got "
             f"{type(model).__name__}"
