@@ -19,6 +19,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
