@@ -142,7 +142,7 @@ def default_stages() -> list[Stage]:
         # Flash attention: TFLOP/s of the Pallas kernels against cuDNN, causal and packed.
         Stage(
             "attention",
-            45,
+            40,
             (
                 py,
                 "-m",
@@ -187,7 +187,7 @@ def default_stages() -> list[Stage]:
         ),
         Stage(
             "embedding",
-            25,
+            15,
             (
                 py,
                 "-m",
@@ -203,7 +203,7 @@ def default_stages() -> list[Stage]:
         # default model and one 2x as deep.
         Stage(
             "remat",
-            30,
+            25,
             (
                 py,
                 "-m",
@@ -225,7 +225,7 @@ def default_stages() -> list[Stage]:
         # what the sharded path costs on one device (issue 30).
         Stage(
             "finetune_mesh",
-            30,
+            25,
             (
                 py,
                 "-m",
@@ -238,6 +238,23 @@ def default_stages() -> list[Stage]:
                 "{out}/finetune_mesh.json",
             ),
             _json_file("finetune_mesh"),
+        ),
+        # One prompt and 8 completions, forward + backward of 2 SmolLM-shaped layers: the
+        # shared row (branch_ids, the Pallas kernels) against 8 unshared rows (issue 38).
+        Stage(
+            "shared_prefix",
+            25,
+            (
+                py,
+                "-m",
+                "benchmarks.shared_prefix",
+                "--json",
+                "{out}/shared_prefix.json",
+                "training",
+                "--rounds",
+                "3",
+            ),
+            _json_file("shared_prefix"),
         ),
     ]
 

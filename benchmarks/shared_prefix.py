@@ -2,6 +2,16 @@
 
 One section per part of the work, each a subcommand:
 
+* ``training``: forward + backward of the decoder layers (the gradient of ``sum(h * w)``, a
+  fixed random ``w``; no head, no loss: the layers are what sharing changes) over one
+  prompt and its G completions: one shared row (``pack_shared_prefix``, ``branch_ids``) against
+  the G rows ``prompt + completion`` a trainer runs without sharing. Per arm: tokens, XLA's
+  temp bytes of the compiled step, median seconds; speed: the unshared time / the shared one
+  per round, median [min, max]. Before timing, every completion token's hidden state must
+  agree between the arms (the largest difference is printed).
+
+    python -m benchmarks.shared_prefix training                 # 2 layers, 1024 + 8 x 128
+
 * ``sampling``: G continuations of one prompt by ``rudax.models.generate(num_samples=G)``
   (the prompt prefilled once, its keys and values stored once and read once per step for all
   G samples) against the same prompt repeated G times (``num_samples=1``: G prefills, G copies
@@ -34,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks._timing import alternate, ratio_summary
-from rudax.models import LlamaConfig, LlamaForCausalLM, generate
+from rudax.models import IGNORE_INDEX, LlamaConfig, LlamaForCausalLM, generate, pack_shared_prefix
 from rudax.models._generate import _cache_shapes
 
 # SmolLM-135M's shape (HuggingFaceTB/SmolLM-135M config.json), random weights.
@@ -178,10 +188,118 @@ def _sampling_section(sections: Any) -> None:
     s.set_defaults(run=run)
 
 
+# --- training ------------------------------------------------------------------------------
+
+
+def training(
+    preset: str, layers: int, samples: int, prompt_len: int, completion_len: int, rounds: int
+) -> dict[str, Any]:
+    model = build(preset, layers)
+    config = model.config
+    rng = np.random.default_rng(0)
+    draw = lambda n: rng.integers(1, config.vocab_size, n).tolist()
+    prompt = draw(prompt_len)
+    completions = [draw(completion_len) for _ in range(samples)]
+    rows = pack_shared_prefix([(prompt, completions)])
+    batches = {
+        "shared": {
+            "tokens": rows.tokens,
+            "branch_ids": rows.branch_ids,
+            "positions": rows.positions,
+        },
+        # without sharing: G rows of prompt + completion
+        "unshared": {"tokens": np.asarray([prompt + c for c in completions], np.int32)},
+    }
+    batches = {arm: {k: jnp.asarray(v) for k, v in b.items()} for arm, b in batches.items()}
+    graphdef, params = nnx.split(model, nnx.Param)
+    width = max(b["tokens"].shape[1] for b in batches.values())
+    w = jax.random.normal(jax.random.key(1), (1, width, config.hidden_size), jnp.float32)
+
+    def hidden(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        inputs = dict(batch)
+        return nnx.merge(graphdef, params).hidden_states(inputs.pop("tokens"), **inputs)[0]
+
+    @jax.jit
+    def step(params: Any, batch: dict[str, jax.Array]) -> Any:
+        t = batch["tokens"].shape[1]
+        return jax.grad(lambda p: jnp.sum(hidden(p, batch).astype(jnp.float32) * w[:, :t]))(params)
+
+    # Each completion token's hidden state, in both layouts (the same tokens in the same order).
+    shared_h = np.asarray(jax.jit(hidden)(params, batches["shared"]))
+    shared_h = shared_h[rows.labels != IGNORE_INDEX]
+    unshared_h = np.asarray(jax.jit(hidden)(params, batches["unshared"]))[:, prompt_len - 1 : -1]
+    unshared_h = unshared_h.reshape(shared_h.shape)
+    diff = float(np.abs(shared_h - unshared_h).max() / np.abs(unshared_h).max())
+
+    arms, stats = {}, {}
+    for arm, batch in batches.items():
+        compiled = step.lower(params, batch).compile()
+        memory = compiled.memory_analysis()
+        stats[arm] = {
+            "tokens": int(batch["tokens"].size),
+            "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
+        }
+        arms[arm] = lambda c=compiled, b=batch: c(params, b)
+    times = alternate(arms, rounds=rounds, iters=1)
+    for arm in arms:
+        stats[arm]["seconds"] = statistics.median(times[arm])
+        stats[arm]["times_s"] = times[arm]
+    return {
+        "preset": preset,
+        "layers": config.num_hidden_layers,
+        "samples": samples,
+        "prompt_len": prompt_len,
+        "completion_len": completion_len,
+        "rounds": rounds,
+        "device": jax.devices()[0].device_kind,
+        "max_relative_difference": diff,
+        "arms": stats,
+        "speed_shared_vs_unshared": ratio_summary(times["unshared"], times["shared"]),
+    }
+
+
+def training_report(r: dict[str, Any]) -> str:
+    lines = [
+        f"training (forward + backward of the layers), {r['preset']} shape, {r['layers']} "
+        f"layers, fp32, {r['device']}: a {r['prompt_len']}-token prompt and {r['samples']} "
+        f"completions of {r['completion_len']}, {r['rounds']} rounds; completion hidden states "
+        f"agree within {r['max_relative_difference']:.1e} of the largest",
+        "",
+        "| arm | tokens | XLA temp MiB | s per step |",
+        "|---|---|---|---|",
+    ]
+    names = {"shared": "shared row (branch_ids)", "unshared": f"{r['samples']} rows, unshared"}
+    for arm, row in r["arms"].items():
+        temp = "n/a" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**20:,.1f}"
+        lines.append(f"| {names[arm]} | {row['tokens']:,} | {temp} | {row['seconds']:.3f} |")
+    med, lo, hi = r["speed_shared_vs_unshared"]
+    lines += ["", f"speed: shared {med:.2f}x the unshared layout's [{lo:.2f}, {hi:.2f}]"]
+    return "\n".join(lines)
+
+
+def _training_section(sections: Any) -> None:
+    s = sections.add_parser("training", help="forward + backward, shared row against G rows")
+    s.add_argument("--preset", choices=sorted(PRESETS), default="smollm-135m")
+    s.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    s.add_argument("--samples", type=int, default=8)
+    s.add_argument("--prompt-len", type=int, default=1024)
+    s.add_argument("--completion-len", type=int, default=128)
+    s.add_argument("--rounds", type=int, default=3)
+
+    def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+        r = training(
+            args.preset, args.layers, args.samples, args.prompt_len, args.completion_len,
+            args.rounds,
+        )  # fmt: skip
+        return r, training_report(r)
+
+    s.set_defaults(run=run)
+
+
 # --- the command ---------------------------------------------------------------------------
 
 # Each section adds its subcommand, whose ``run(args)`` returns (results, printed table).
-SECTIONS = [_sampling_section]
+SECTIONS = [_training_section, _sampling_section]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

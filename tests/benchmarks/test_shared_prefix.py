@@ -18,3 +18,13 @@ def test_sampling_section_runs_and_the_arms_agree(tmp_path, capsys):
     for arm in ("shared", "repeated"):
         assert r["arms"][arm]["tokens_per_s"] > 0
     assert "| shared prompt (num_samples=4) |" in capsys.readouterr().out
+
+
+def test_training_section_runs_and_the_layouts_agree(capsys):
+    argv = ["training", "--preset", "tiny", "--samples", "3", "--prompt-len", "30"]
+    r = bench.main([*argv, "--completion-len", "7", "--rounds", "1"])
+    assert r["max_relative_difference"] < 1e-5
+    # shared: the prompt once, each completion with the prompt's last token; unshared: G rows
+    assert r["arms"]["shared"]["tokens"] == 29 + 3 * 8
+    assert r["arms"]["unshared"]["tokens"] == 3 * 37
+    assert "| shared row (branch_ids) |" in capsys.readouterr().out
