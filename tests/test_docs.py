@@ -118,3 +118,14 @@ def test_quickstart_example_runs():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "done:" in proc.stdout
+
+
+def test_readme_shared_prompts_example_runs():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Shared prompts: one prompt, many continuations\n", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    samples, rows = namespace["samples"], namespace["rows"]
+    assert [len(t) for t in samples.tokens] == [8] * 4
+    assert int(namespace["metrics"]["tokens"]) == rows.num_tokens == 32
