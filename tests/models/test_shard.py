@@ -97,8 +97,12 @@ def test_sharded_loss_and_gradients_equal_one_device(kind, scan):
     want = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(ref_grads)}
     # a tied table is one leaf (under its first path) and is reached from both modules
     assert set(want) <= set(got) and len(jax.tree.leaves(params)) == len(want)
+    # Bounds relative to each leaf's largest element: the sharded sums run in another order,
+    # and an element near cancellation (the tied table's [66, 44], -8.66e-4 in a leaf of
+    # 3.6) is off by 1.1e-6 on this machine's XLA:CPU, past an element-wise 1e-4.
     for path, value in want.items():
-        np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-6, err_msg=str(path))
+        atol = 2e-6 * np.abs(value).max()
+        np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=atol, err_msg=str(path))
 
 
 def test_bad_arguments_are_named():
