@@ -127,9 +127,13 @@ _MEASURE = textwrap.dedent(
     del model
     model, anon, rss = measure()
     del model
-    # The control: every tensor read is also kept (a copy, as a non-streamed load holds).
+    # The control: a copy of every tensor read is also kept, as a non-streamed load holds
+    # them (the copy kept is not the array returned: on the CPU a device_put adopts a read
+    # array's memory, and a kept array the model adopted would cost nothing extra).
     kept, read = [], SafetensorsFile.get_tensor
-    SafetensorsFile.get_tensor = lambda self, name: kept.append(read(self, name).copy()) or kept[-1]
+    SafetensorsFile.get_tensor = lambda self, name: kept.append(read(self, name).copy()) or read(
+        self, name
+    )
     model, control, _ = measure()
     print(json.dumps({
         "model_bytes": model_bytes,
