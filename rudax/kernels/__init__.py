@@ -49,6 +49,7 @@ from rudax.kernels._layer_norm import layer_norm_reference as layer_norm_referen
 from rudax.kernels._nf4 import NF4Tensor as NF4Tensor
 from rudax.kernels._nf4 import nf4_dequantize as nf4_dequantize
 from rudax.kernels._nf4 import nf4_quantize as nf4_quantize
+from rudax.kernels._nf4_double import nf4_double_quantize as nf4_double_quantize
 from rudax.kernels._nf4_matmul import NF4MatmulBlock as NF4MatmulBlock
 from rudax.kernels._nf4_matmul import nf4_matmul as nf4_matmul
 from rudax.kernels._nf4_matmul import nf4_matmul_reference as nf4_matmul_reference
@@ -93,6 +94,7 @@ __all__: list[str] = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "nf4_dequantize",
+    "nf4_double_quantize",
     "nf4_matmul",
     "nf4_matmul_reference",
     "nf4_quantize",

@@ -21,16 +21,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import rudax.kernels as rk
 import rudax.layers as rl
 from rudax.models import _llama, _llama_layers, _mixtral
+from rudax.models._hf_mesh_load import load_onto_mesh
 from rudax.models._hf_names import load_state, state_dict
 from rudax.models._llama import LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig
@@ -147,6 +150,10 @@ def from_pretrained(
     param_dtype: Any = None,
     dtype: Any = None,
     quantize: str | None = None,
+    absmax_rounding: Literal["cuda", "cpu"] = "cuda",
+    prepare: Callable[[LlamaForCausalLM], Any] | None = None,
+    scan_layers: bool = False,
+    mesh: Mesh | None = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` read from a Hugging Face checkpoint folder.
 
@@ -162,6 +169,21 @@ def from_pretrained(
         norms and head stay in ``param_dtype``, as bitsandbytes leaves them, and so do a
         Mixtral's router and experts (stacked, not ``Linear`` layers). A projection
         holding NaN or inf is refused, naming it: NF4 cannot store it.
+      absmax_rounding: under ``quantize="nf4"``, whose 8-bit absmax codes to reproduce:
+        ``"cuda"`` (bitsandbytes' CUDA kernel, which quantized the checkpoints people share)
+        or ``"cpu"`` (its CPU kernel); see ``rudax.kernels.nf4_quantize``.
+      prepare: a function that changes the loaded model in place, as
+        ``rudax.layers.apply_lora`` does (``lambda m: rl.apply_lora(m, ...)``; what it returns
+        is ignored), applied before the layers are stacked and sharded.
+        With a ``mesh`` it runs on the model built abstractly (no arrays), and what it adds
+        (LoRA adapters) starts at the values it would have on the whole model.
+      scan_layers: store the decoder layers stacked (``LlamaForCausalLM.scan_layers``).
+      mesh: a ``jax.sharding.Mesh`` with an ``fsdp`` axis (and any others, such as
+        ``data``): the model comes back in ``rudax.models.shard``'s form over it, and each
+        process reads from the files only the bytes of its own devices' shards (an NF4
+        projection: quantizes only its own blocks, the processes sharing the blocks' scales
+        for the double quantization; the same bits as quantizing the whole tensor). No
+        process ever holds a whole tensor. Every process of a multi-process run calls it.
 
     Returns:
       The model; its ``config`` keeps the checkpoint's token ids. The weights are read
@@ -188,62 +210,104 @@ def from_pretrained(
         raise type(e)(f"{folder}: {e}") from e
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize=}")
+    if absmax_rounding not in ("cuda", "cpu"):
+        raise ValueError(f'absmax_rounding must be "cuda" or "cpu", got {absmax_rounding=}')
+    if prepare is not None and not callable(prepare):
+        raise TypeError(f"prepare must be a function of the model, got {prepare!r}")
+    if not isinstance(scan_layers, bool):
+        raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
+    if mesh is not None and (not isinstance(mesh, Mesh) or "fsdp" not in mesh.axis_names):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with an 'fsdp' axis, got {mesh=}")
     where = open_checkpoint(folder)
+    if mesh is not None:
+
+        def build() -> LlamaForCausalLM:
+            model = LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+            if quantize == "nf4":
+                for parent, attr, linear, _ in _projections(model):
+                    w = linear.kernel[...].T.astype(config.param_dtype)
+                    bias = None if linear.bias is None else linear.bias[...]
+                    q = rk.nf4_quantize(w, absmax_rounding=absmax_rounding)
+                    setattr(parent, attr, rl.NF4Linear(q, bias, dtype=linear.dtype))
+            return _finish(model, prepare, scan_layers)
+
+        return load_onto_mesh(folder, where, build, mesh, absmax_rounding=absmax_rounding)
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     names = set(where)
     if quantize == "nf4":
-        names -= _quantize_projections(model, where, folder)
+        names -= _quantize_projections(model, where, folder, absmax_rounding)
     load_state(model, lambda name: where[name].get_tensor(name), names, where=str(folder))
+    return _finish(model, prepare, scan_layers)
+
+
+def _finish(
+    model: LlamaForCausalLM,
+    prepare: Callable[[LlamaForCausalLM], Any] | None,
+    scan_layers: bool,
+) -> LlamaForCausalLM:
+    """``prepare(model)``, its layers then stacked if asked."""
+    if prepare is not None:
+        prepare(model)
+    model.scan_layers = scan_layers
     return model
 
 
-def _quantize_projections(
-    model: LlamaForCausalLM, where: dict[str, SafetensorsFile], folder: Path
-) -> set[str]:
-    """Replaces each decoder projection by an NF4Linear of its tensor; the names it read."""
-    used: set[str] = set()
-    dtype = model.config.param_dtype
+def _projections(
+    model: LlamaForCausalLM,
+) -> Iterator[tuple[nnx.Module, str, rl.Linear, str]]:
+    """(parent, attribute, Linear, its Hugging Face name prefix) of each decoder projection
+    (``PROJECTIONS``); a Mixtral's experts are stacked arrays, not ``Linear`` layers."""
     for i, layer in enumerate(model.model.layers):
         for part in ("self_attn", "mlp"):
             parent = getattr(layer, part, None)  # a Mixtral layer has no mlp
             if parent is None:
                 continue
-            prefix = f"model.layers.{i}.{part}"
             for attr in PROJECTIONS:
                 linear = getattr(parent, attr, None)
-                if not isinstance(linear, rl.Linear):
-                    continue
-                name = f"{prefix}.{attr}.weight"
-                if name not in where:
-                    raise ValueError(f"{folder}: no tensor {name!r}")
-                tensor = where[name].get_tensor(name)
-                if not np.isfinite(tensor).all():
-                    # NF4's per-block absmax would hide a NaN (XLA:CPU's max drops it) or
-                    # turn an inf into garbage: finite, wrong outputs.
-                    raise ValueError(
-                        f"{folder}: {name} holds non-finite values (NaN or inf), which NF4 "
-                        "cannot store: the checkpoint is damaged, or load it unquantized"
-                    )
-                if tensor.shape != (linear.out_features, linear.in_features):
-                    raise ValueError(
-                        f"{folder}: {name} has shape {tensor.shape}, the model's "
-                        f"{(linear.out_features, linear.in_features)}"
-                    )
-                try:
-                    # Rounded to the storage dtype first, as transformers loads a checkpoint
-                    # in its dtype before bitsandbytes quantizes it; waited for, so that the
-                    # chunks' device copies do not outlive the step.
-                    q = rk.nf4_quantize(tensor.astype(dtype), chunk_size=_QUANTIZE_CHUNK)
-                    q = jax.block_until_ready(q)
-                except ValueError as e:  # a size NF4's blocks do not divide
-                    raise ValueError(f"{folder}: {name} cannot be quantized to NF4 ({e})") from e
-                bias = None
-                if linear.bias is not None:
-                    bias_name = f"{prefix}.{attr}.bias"
-                    bias = np.asarray(where[bias_name].get_tensor(bias_name)).astype(dtype)
-                    used.add(bias_name)
-                setattr(parent, attr, rl.NF4Linear(q, bias, dtype=linear.dtype))
-                used.add(name)
+                if isinstance(linear, rl.Linear):
+                    yield parent, attr, linear, f"model.layers.{i}.{part}.{attr}"
+
+
+def _quantize_projections(
+    model: LlamaForCausalLM, where: dict[str, SafetensorsFile], folder: Path, rounding: str
+) -> set[str]:
+    """Replaces each decoder projection by an NF4Linear of its tensor; the names it read."""
+    used: set[str] = set()
+    dtype = model.config.param_dtype
+    for parent, attr, linear, prefix in list(_projections(model)):
+        name = f"{prefix}.weight"
+        if name not in where:
+            raise ValueError(f"{folder}: no tensor {name!r}")
+        tensor = where[name].get_tensor(name)
+        if not np.isfinite(tensor).all():
+            # NF4 would store a damaged weight as NaN blocks (bitsandbytes' result): refused
+            # here, where the file can still be named.
+            raise ValueError(
+                f"{folder}: {name} holds non-finite values (NaN or inf), which NF4 "
+                "cannot store: the checkpoint is damaged, or load it unquantized"
+            )
+        if tensor.shape != (linear.out_features, linear.in_features):
+            raise ValueError(
+                f"{folder}: {name} has shape {tensor.shape}, the model's "
+                f"{(linear.out_features, linear.in_features)}"
+            )
+        try:
+            # Rounded to the storage dtype first, as transformers loads a checkpoint in its
+            # dtype before bitsandbytes quantizes it; waited for, so that the chunks' device
+            # copies do not outlive the step.
+            q = rk.nf4_quantize(
+                tensor.astype(dtype), chunk_size=_QUANTIZE_CHUNK, absmax_rounding=rounding
+            )
+            q = jax.block_until_ready(q)
+        except ValueError as e:  # a size NF4's blocks do not divide
+            raise ValueError(f"{folder}: {name} cannot be quantized to NF4 ({e})") from e
+        bias = None
+        if linear.bias is not None:
+            bias_name = f"{prefix}.bias"
+            bias = np.asarray(where[bias_name].get_tensor(bias_name)).astype(dtype)
+            used.add(bias_name)
+        setattr(parent, attr, rl.NF4Linear(q, bias, dtype=linear.dtype))
+        used.add(name)
     return used
 
 

@@ -135,33 +135,90 @@ class SafetensorsFile:
           ValueError: NumPy cannot hold it (a packed 4- or 6-bit dtype, a dimension of 2**63
             or more), or the file was cut short since it was opened.
         """
+        entry = self._entry(name)
+        dtype = self._numpy_dtype(name, entry)
+        if any(d >= 2**63 for d in entry.shape):  # NumPy's sizes are signed 64-bit
+            raise ValueError(
+                f"{self.path}: tensor {name!r}: shape {list(entry.shape)} has a dimension of "
+                "2**63 or more, which NumPy cannot index"
+            )
+        tensor = self._read(name, entry, dtype, 0, math.prod(entry.shape)).reshape(entry.shape)
+        tensor.flags.writeable = False
+        return tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the header (nothing read)."""
+        return self._entry(name).shape
+
+    def get_elements(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of the tensor flattened in C order, read alone.
+
+        Only those bytes are read from the file (what a process loading its own shard of a
+        parameter needs): a new, writable, 64-byte-aligned 1-D array.
+        """
+        entry = self._entry(name)
+        size = math.prod(entry.shape)
+        if not 0 <= start <= stop <= size:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has {size} elements; cannot read [{start}, {stop})"
+            )
+        return self._read(name, entry, self._numpy_dtype(name, entry), start, stop)
+
+    def get_columns(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Columns ``[start, stop)`` of a 2-D tensor, ``tensor[:, start:stop]``, read alone.
+
+        Each row's run of bytes is read on its own: the process holds the slice, never the
+        tensor (a ``Linear`` kernel is the file's tensor transposed, so its rows are the
+        file's columns).
+        """
+        entry = self._entry(name)
+        if len(entry.shape) != 2 or not 0 <= start <= stop <= entry.shape[1]:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has shape {list(entry.shape)}; cannot read "
+                f"columns [{start}, {stop}) of it"
+            )
+        dtype = self._numpy_dtype(name, entry)
+        rows, cols = entry.shape
+        width = (stop - start) * dtype.itemsize
+        raw = _aligned(rows * width).reshape(rows, width)  # bytes: bf16 has no buffer format
+        with open(self.path, "rb") as f:
+            for r in range(rows):
+                f.seek(self._data_start + entry.begin + (r * cols + start) * dtype.itemsize)
+                if f.readinto(raw[r].data) != width:
+                    raise ValueError(f"{self.path}: tensor {name!r}: the file was cut short")
+        return raw.view(dtype)
+
+    def _entry(self, name: str) -> _Entry:
         try:
-            entry = self._entries[name]
+            return self._entries[name]
         except KeyError:
             raise KeyError(f"{self.path}: no tensor {name!r}") from None
+
+    def _numpy_dtype(self, name: str, entry: _Entry) -> np.dtype:
         dtype = _DTYPES[entry.dtype].numpy
         if dtype is None:
             raise ValueError(
                 f"{self.path}: tensor {name!r}: dtype {entry.dtype} packs values into parts "
                 "of a byte, which NumPy has no type for"
             )
-        if any(d >= 2**63 for d in entry.shape):  # NumPy's sizes are signed 64-bit
-            raise ValueError(
-                f"{self.path}: tensor {name!r}: shape {list(entry.shape)} has a dimension of "
-                "2**63 or more, which NumPy cannot index"
-            )
-        nbytes = entry.end - entry.begin
-        raw = np.empty(nbytes + _ALIGN, np.uint8)
-        skip = -raw.ctypes.data % _ALIGN
-        out = raw[skip : skip + nbytes]
+        return dtype
+
+    def _read(self, name: str, entry: _Entry, dtype: np.dtype, start: int, stop: int) -> np.ndarray:
+        nbytes = (stop - start) * dtype.itemsize
+        out = _aligned(nbytes)
         with open(self.path, "rb") as f:
-            f.seek(self._data_start + entry.begin)
+            f.seek(self._data_start + entry.begin + start * dtype.itemsize)
             got = f.readinto(out.data)
         if got != nbytes:  # the file shrank since its header was read
             raise ValueError(f"{self.path}: tensor {name!r}: read {got} of its {nbytes} bytes")
-        tensor = out.view(dtype).reshape(entry.shape)
-        tensor.flags.writeable = False
-        return tensor
+        return out.view(dtype)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` new bytes starting on a multiple of ``_ALIGN`` (what XLA's CPU adopts)."""
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return raw[skip : skip + nbytes]
 
 
 def _read_header(path: Path, f: BinaryIO, size: int) -> tuple[int, dict[str, Any]]:

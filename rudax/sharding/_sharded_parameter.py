@@ -167,12 +167,15 @@ class ShardedParameter:
         axis_name: str = "fsdp",
         *,
         dtype: DTypeLike,
+        layers: int | None = None,
     ) -> ShardedParameter:
         """Builds the parameter from per-rank slices, without ever forming the full value.
 
         ``shards[r]`` (or ``shards(r)``) is rank r's part of the row-major flattened value:
         the elements ``shard_range(r)``, optionally already zero-padded to k. Only the ranks
         on this process's devices are asked for, so a multi-process loader reads its own part.
+        ``layers=L``: a stack of L parameters (``from_full(..., stacked=True)``'s layout),
+        ``shards[r]`` then rank r's part of each, shape ``(L, stop - start)`` (or ``(L, k)``).
         """
         shape = _check_shape(logical_shape)
         n = _axis_size(mesh, axis_name)
@@ -180,30 +183,36 @@ class ShardedParameter:
         size = math.prod(shape)
         k = shard_size(size, n)
         get = shards if callable(shards) else shards.__getitem__
+        if layers is not None:
+            check_int("layers", layers)
+            if layers < 1:
+                raise ValueError(f"layers must be a positive int or None, got {layers=}")
+        lead = () if layers is None else (layers,)
 
         def load(index: tuple[slice, ...] | None) -> np.ndarray:
             # jax types the index Optional ("TODO: Remove None from callback input type") but
-            # asserts it is not None before calling: one slice per axis, here one axis.
+            # asserts it is not None before calling: one slice per axis, the last one split.
             assert index is not None
-            rank = (index[0].start or 0) // k
+            rank = (index[-1].start or 0) // k
             start, stop = _shard_range(size, n, rank)
             part = np.asarray(get(rank))
             if part.dtype != dtype:
                 raise TypeError(f"shards[{rank}] has dtype {part.dtype}, expected {dtype=}")
-            if part.shape not in ((stop - start,), (k,)):
+            if part.shape not in ((*lead, stop - start), (*lead, k)):
                 raise ValueError(
-                    f"shards[{rank}] must be flat with {stop - start} elements (or {k} padded) "
-                    f"for logical_shape={shape} over {n} shards, got shape {part.shape}"
+                    f"shards[{rank}] must have shape {(*lead, stop - start)} (or "
+                    f"{(*lead, k)} padded) for logical_shape={shape} over {n} shards, got "
+                    f"shape {part.shape}"
                 )
-            if np.any(part[stop - start :] != 0):
+            if np.any(part[..., stop - start :] != 0):
                 raise ValueError(
                     f"shards[{rank}]: its padding (elements {stop - start}: of {k}, past the "
                     f"logical size {size}) must be zero"
                 )
-            return np.pad(part, (0, k - part.shape[0]))
+            return np.pad(part, [(0, 0)] * len(lead) + [(0, k - part.shape[-1])])
 
-        sharding = NamedSharding(mesh, P(axis_name))
-        local = jax.make_array_from_callback((n * k,), sharding, load)
+        spec = P(axis_name) if layers is None else P(None, axis_name)
+        local = jax.make_array_from_callback((*lead, n * k), NamedSharding(mesh, spec), load)
         return cls(local, shape, axis_name, n)
 
     def gather(self, dtype: DTypeLike | None = None) -> jax.Array:
@@ -246,7 +255,7 @@ class ShardedParameter:
         """The logical value on the host, outside ``shard_map`` (for tests and checkpoints);
         a stack's is ``(L, *logical_shape)``."""
         local = np.asarray(jax.device_get(self.local))
-        return local[..., : self.size].reshape(*local.shape[:-1], *self.logical_shape)
+        return local[..., : self.size].reshape((*local.shape[:-1], *self.logical_shape))
 
 
 def _bound(axis_name: str) -> bool:

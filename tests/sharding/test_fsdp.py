@@ -52,7 +52,7 @@ def _per_rank(mesh, fn):
 # ---------------------------------------------------------------------------- ShardedParameter
 
 
-@pytest.mark.parametrize("shape", [(5, 3), (16,), (2, 3, 4), (1,)])
+@pytest.mark.parametrize("shape", [(5, 3), (16,), (2, 3, 4), (1,), ()])  # () an NF4 offset
 def test_gather_returns_the_full_value_and_pads_only_at_the_end(mesh, shape):
     value = jax.random.normal(jax.random.key(0), shape)
     p = rs.ShardedParameter.from_full(value, mesh, AX)
@@ -99,6 +99,29 @@ def test_from_local_equals_from_full(mesh):
         assert local.logical_shape == full.logical_shape and local.num_shards == N
         assert local.local.sharding.is_equivalent_to(full.local.sharding, 1)
         np.testing.assert_array_equal(np.asarray(local.local), np.asarray(full.local))
+
+
+def test_from_local_of_a_stack_equals_from_full_stacked(mesh):
+    value = np.arange(3 * 15, dtype=np.float32).reshape(3, 5, 3)  # 3 layers of (5, 3)
+    full = rs.ShardedParameter.from_full(value, mesh, AX, stacked=True)
+    flat = value.reshape(3, -1)
+    ranges = [full.shard_range(r) for r in range(N)]
+    asked = []
+
+    def shards(r):
+        asked.append(r)
+        a, b = ranges[r]
+        return flat[:, a:b]
+
+    local = rs.ShardedParameter.from_local(shards, (5, 3), mesh, AX, dtype=np.float32, layers=3)
+    assert local.stacked and local.local.shape == full.local.shape == (3, 16)
+    assert local.local.sharding.is_equivalent_to(full.local.sharding, 2)
+    np.testing.assert_array_equal(np.asarray(local.local), np.asarray(full.local))
+    assert sorted(set(asked)) == list(range(N))
+    with pytest.raises(ValueError, match=r"shards\[0\] must have shape \(3, 2\)"):
+        rs.ShardedParameter.from_local(
+            lambda r: flat[0, :2], (5, 3), mesh, AX, dtype=np.float32, layers=3
+        )
 
 
 def test_compute_dtype_gathers_and_reduce_scatters_in_that_dtype(mesh):
