@@ -5,6 +5,7 @@ import time of the first conftest, before any test module imports jax.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -42,6 +43,20 @@ def _dtype_promotion(request):
     mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
     with jax.numpy_dtype_promotion(mode):
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops jax's in-memory caches (compiled programs, traced jaxprs) after each test module.
+
+    A worker runs half the suite in one process; kept, its compiled programs grew each worker
+    past 4.6 GB by the middle of the suite, and two workers beside the processes some tests
+    start came near the machine's 24 GB. The persistent compilation cache on disk (above)
+    still holds the executables, so a program met again is read back, not recompiled.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_report_header(config):
