@@ -152,3 +152,26 @@ def test_a_tensor_of_another_shape_is_named(tmp_path):
     (folder / "config.json").write_text(config)
     with pytest.raises(ValueError, match=r"mlp\.down_proj\.weight has shape \(64, 192\)"):
         from_pretrained(folder, mesh=_mesh())
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_logits_after_a_mesh_load_equal_a_one_device_load(tmp_path, quantize):
+    from jax.sharding import PartitionSpec as P
+
+    folder = _checkpoint(tmp_path, "tied")
+    mesh = _mesh((2, 4), ("data", "fsdp"))
+    ids = np.random.default_rng(0).integers(0, 96, (8, 10)).astype(np.int32)
+    whole = from_pretrained(folder, quantize=quantize, param_dtype=jnp.float32)
+    want = np.asarray(nnx.jit(lambda m, x: m(x))(whole, jnp.asarray(ids)))
+    model = from_pretrained(folder, quantize=quantize, param_dtype=jnp.float32, mesh=mesh)
+    graph, state = nnx.split(model)
+    rows = P(("data", "fsdp"))
+    logits = jax.jit(
+        jax.shard_map(
+            lambda s, x: nnx.merge(graph, s)(x),
+            mesh=mesh,
+            in_specs=(rs.shard_specs(state), rows),
+            out_specs=rows,
+        )
+    )(state, jax.device_put(ids, jax.sharding.NamedSharding(mesh, rows)))
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=1e-5)
