@@ -25,6 +25,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 import rudax.models as rm
 from examples.lm.config import UsageError
 from examples.lm.spec import ModelSpec
@@ -111,18 +114,29 @@ def check_tokenizer(hf_dir: Path, data_dir: Path, *, flag: str = "--init-from") 
         )
 
 
-def load_model(hf_dir: Path, spec: ModelSpec) -> rm.LlamaForCausalLM:
-    """hf_dir's weights in the model of ``spec`` (the flags' dtypes, remat and layout)."""
+def load_model(
+    hf_dir: Path, spec: ModelSpec, *, mesh: jax.sharding.Mesh | None = None
+) -> rm.LlamaForCausalLM:
+    """hf_dir's weights in the model of ``spec`` (the flags' dtypes, remat and layout); with
+    a ``mesh`` (an ``fsdp`` axis), already in the trainer's FSDP form (``spec.shard``'s),
+    each process reading only its devices' shards."""
+    config = _config(hf_dir)
+    if dataclasses.replace(config, param_dtype=spec.config.param_dtype) != spec.config:
+        raise UsageError(
+            f"--init-from {hf_dir}: the checkpoint's model is {config}, the run's {spec.config}"
+        )
     try:
-        model = rm.from_pretrained(hf_dir, param_dtype=spec.config.param_dtype, dtype=spec.dtype)
+        return rm.from_pretrained(
+            hf_dir,
+            param_dtype=spec.config.param_dtype,
+            dtype=spec.dtype,
+            prepare=spec.adopt,
+            scan_layers=spec.scan_layers,
+            mesh=mesh,
+            gather_dtype=None if mesh is None else jnp.float32,  # as spec.shard gathers
+        )
     except (TypeError, ValueError) as e:
         raise UsageError(f"--init-from {hf_dir}: {e}") from e
-    if model.config != spec.config:
-        raise UsageError(
-            f"--init-from {hf_dir}: the checkpoint's model is {model.config}, the run's "
-            f"{spec.config}"
-        )
-    return spec.adopt(model)
 
 
 def _config(hf_dir: Path) -> rm.LlamaConfig:

@@ -56,6 +56,7 @@ import rudax.kernels as rk
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
+import rudax.sharding as rs
 from examples.lm import config as cfg
 from examples.lm import guard, hf_init
 from examples.lm.corpus import CorpusError
@@ -226,13 +227,15 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     # --------------------------------------------------------------------------- model
     spec = model_spec(args, vocab_size)  # the tokenizer's vocabulary
     config = spec.config
+    fsdp = mesh is not None and "fsdp" in mesh.axis_names
     if hf_dir is None:
         model = spec.create(args.seed)
     else:
-        model = hf_init.load_model(hf_dir, spec)
+        # Over an fsdp mesh each process reads only its devices' shards of the checkpoint.
+        model = hf_init.load_model(hf_dir, spec, mesh=mesh if fsdp else None)
         say(f"initialized from the Hugging Face checkpoint {hf_dir}")
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    if mesh is not None and "fsdp" in mesh.axis_names:
+    n_params = _parameter_count(model)
+    if fsdp and hf_dir is None:
         model = shard(model, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = place(params, mesh)
@@ -631,6 +634,19 @@ def _checkpoint_root(source: str) -> Path:
     root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
     _committed_steps(root, "--init-from")
     return root
+
+
+def _parameter_count(model: rm.LlamaForCausalLM) -> int:
+    """The model's trainable parameters, a tied table once (sharded: their logical sizes)."""
+    leaves = jax.tree.leaves(
+        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, rs.ShardedParameter)
+    )
+    return sum(
+        x.size * (x.local.shape[0] if x.stacked else 1)
+        if isinstance(x, rs.ShardedParameter)
+        else x.size
+        for x in leaves
+    )
 
 
 def _init_from(root: Path, params: Any) -> Any:

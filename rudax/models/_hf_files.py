@@ -154,6 +154,7 @@ def from_pretrained(
     prepare: Callable[[LlamaForCausalLM], Any] | None = None,
     scan_layers: bool = False,
     mesh: Mesh | None = None,
+    gather_dtype: Any = None,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` read from a Hugging Face checkpoint folder.
 
@@ -184,6 +185,8 @@ def from_pretrained(
         projection: quantizes only its own blocks, the processes sharing the blocks' scales
         for the double quantization; the same bits as quantizing the whole tensor). No
         process ever holds a whole tensor. Every process of a multi-process run calls it.
+      gather_dtype: with a ``mesh``, ``rudax.models.shard``'s ``compute_dtype``: the dtype
+        parameters are cast to before their all-gather; None gathers the storage dtype.
 
     Returns:
       The model; its ``config`` keeps the checkpoint's token ids. The weights are read
@@ -231,7 +234,9 @@ def from_pretrained(
                     setattr(parent, attr, rl.NF4Linear(q, bias, dtype=linear.dtype))
             return _finish(model, prepare, scan_layers)
 
-        return load_onto_mesh(folder, where, build, mesh, absmax_rounding=absmax_rounding)
+        return load_onto_mesh(
+            folder, where, build, mesh, absmax_rounding=absmax_rounding, gather_dtype=gather_dtype
+        )
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     names = set(where)
     if quantize == "nf4":

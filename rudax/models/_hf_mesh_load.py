@@ -73,12 +73,13 @@ def load_onto_mesh(
     mesh: Mesh,
     *,
     absmax_rounding: str,
+    gather_dtype: Any = None,
 ) -> LlamaForCausalLM:
     """The model ``build()`` makes, sharded over ``mesh``'s ``fsdp`` axis, filled from files.
 
     ``build`` makes the unsharded model (random weights, quantized, adapted, stacked: as the
     caller wants it) and is only traced: abstractly once, and under ``jit`` for the variables
-    no file holds.
+    no file holds. ``gather_dtype`` is ``shard``'s ``compute_dtype``.
     """
     ctx = rs.ShardingContext(mesh, AXIS)
     sources: dict[tuple[Any, ...], Any] = {}
@@ -86,7 +87,7 @@ def load_onto_mesh(
     def sharded() -> LlamaForCausalLM:
         model = build()
         sources.update(_sources(model))
-        return shard(model, ctx)
+        return shard(model, ctx, compute_dtype=gather_dtype)
 
     model = nnx.eval_shape(sharded)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

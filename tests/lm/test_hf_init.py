@@ -68,6 +68,36 @@ def test_a_run_from_an_hf_directory_trains_on_its_weights_and_resumes(exported, 
     assert resumed["val_loss"] < trained + 0.1 * (random_init - trained), (got, src)
 
 
+def test_a_run_over_an_fsdp_mesh_reads_the_hf_directory_onto_the_mesh(
+    exported, data, tmp_path, monkeypatch, mesh="data=2,fsdp=4"
+):
+    """--init-from an HF directory with --mesh: the checkpoint is read onto the mesh
+    (from_pretrained(mesh=...), never whole), and update 0 evaluates the exported weights."""
+    import rudax.models as rm
+
+    summary, hf_dir = exported
+    trained = _evals(summary)[8]
+    meshes = []
+    real = rm.from_pretrained
+
+    def from_pretrained(*args, **kwargs):
+        meshes.append(kwargs.get("mesh"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rm, "from_pretrained", from_pretrained)
+    flags = [*data, *TINY, "--optimizer", "adamw", "--steps", "2", "--eval-every", "2"]
+    out = train.main(
+        [*flags, "--run-dir", str(tmp_path / "ft"), "--init-from", str(hf_dir), "--mesh", mesh]
+    )
+    assert [m is not None and "fsdp" in m.axis_names for m in meshes] == [True]
+    got = _evals(out)
+    assert abs(got[0] - trained) < 1e-5 * trained  # the exported weights (fp32 gathers)
+    # and the updates after it are the one-device run's, to the summation order
+    alone = _evals(train.main([*flags, "--run-dir", str(tmp_path / "one"), "--init-from",
+                               str(hf_dir)]))  # fmt: skip
+    assert abs(got[2] - alone[2]) < 1e-4 * alone[2], (got, alone)
+
+
 def test_hf_directory_errors_name_the_problem(exported, data, tmp_path, capsys):
     _, hf_dir = exported
     base = [*data, *TINY, "--run-dir", str(tmp_path / "run"), "--init-from"]
