@@ -254,8 +254,12 @@ class LlamaConfig:
           param_dtype: the storage dtype; None for the file's ``dtype`` / ``torch_dtype``.
 
         Returns:
-          The config. A ValueError names the first field that is missing, malformed, or not
-          computable here (module docstring); v4 and v5 spellings present together must agree.
+          The config. A ValueError names the first field that is missing, or whose value
+          rudax cannot compute (``rudax.models._hf_config_fields`` lists them), a TypeError
+          one of the wrong JSON type (``"false"`` for a bool); v4 and v5 spellings present
+          together must agree. An absent field takes the default of transformers' config
+          class for the ``model_type``; a field neither used nor bookkeeping is loaded as if
+          absent, with one warning naming it.
 
         Example:
           >>> from rudax.models import LlamaConfig

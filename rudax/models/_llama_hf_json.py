@@ -5,30 +5,25 @@
 (``rope_parameters``, ``dtype``); ``to_hf`` writes both spellings, so either version loads
 what rudax writes.
 
-Which fields are refused. A field falls in one of three sets:
-
-* read: the architecture (sizes, heads, RoPE, norms, biases, window, tying) and the storage
-  dtype, each checked;
-* inert: fields that do not change the function the weights compute (``_INERT``): the
-  bookkeeping every ``PretrainedConfig`` carries, token ids (kept for generation), v4's
-  generation defaults, the initializer's std, the KV-cache switch;
-* anything else is refused, naming the field. A file that needs an option rudax lacks (a
-  quantization config, another RoPE type, an activation other than SiLU) is refused instead
-  of being loaded to compute something else.
-
-A read field whose value rudax cannot compute (``hidden_act="gelu"``, a nonzero
-``attention_dropout``, a per-layer window pattern) is refused with the value and the reason.
+Which fields are read, refused or passed over is ``rudax.models._hf_config_fields``' policy:
+a used field is checked (a bool must be a JSON bool, a size a JSON integer) and a value
+rudax cannot compute (``hidden_act="gelu"``, a nonzero ``attention_dropout``, another RoPE
+type, a quantized checkpoint) is refused with the field, the value and the reason;
+bookkeeping passes; an unknown field is loaded as if absent, with one warning naming it.
+An absent field takes transformers' default for the ``model_type``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from rudax.layers._rope import Llama3RopeScaling
+from rudax.models import _hf_config_fields as policy
 
 if TYPE_CHECKING:  # the class calls in here; only its type is needed
     from rudax.models._llama_config import LlamaConfig
@@ -44,68 +39,6 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
-
-# Fields that do not change what the weights compute. The PretrainedConfig attributes of
-# transformers 4.4x (many were dropped in 5.x) and 5.x, then the models' own inert fields.
-_INERT = frozenset(
-    {
-        # bookkeeping
-        "architectures", "model_type", "transformers_version", "_name_or_path",
-        "_commit_hash", "_attn_implementation", "_attn_implementation_internal",
-        "attn_implementation", "finetuning_task", "id2label", "label2id", "problem_type",
-        "tokenizer_class", "prefix", "task_specific_params", "torchscript", "return_dict",
-        "output_attentions", "output_hidden_states", "use_return_dict", "use_bfloat16",
-        "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward", "is_encoder_decoder",
-        "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
-        "tie_encoder_decoder", "gradient_checkpointing",
-        # token ids: what generation and tokenizers use, not the forward pass
-        "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id",
-        "cls_token_id", "mask_token_id", "decoder_start_token_id", "forced_bos_token_id",
-        "forced_eos_token_id",
-        # transformers 4.x's generation defaults, stored in config.json before
-        # generation_config.json existed
-        "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
-        "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
-        "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-        "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
-        "output_scores", "return_dict_in_generate", "remove_invalid_values",
-        "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
-        # the models' own: initializer std, KV cache switch, v4's tensor-parallel slicing of
-        # the same products (pretraining_tp > 1 sums the same terms in pieces)
-        "initializer_range", "use_cache", "pretraining_tp",
-    }
-)  # fmt: skip
-
-# Fields read below, per model_type.
-_READ = frozenset(
-    {
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-        "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-        "attention_dropout", "rope_theta", "rope_scaling", "rope_parameters", "dtype",
-        "torch_dtype",
-    }
-)  # fmt: skip
-_FAMILY_READ = {
-    # is_llama_config and rope_interleaved: written by nanotron's Llama conversion (SmolLM's
-    # files carry them); the first is a marker, the second must be false (transformers
-    # rotates halves, never interleaved pairs).
-    "llama": frozenset({"attention_bias", "mlp_bias", "is_llama_config", "rope_interleaved"}),
-    "qwen2": frozenset(
-        {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
-    ),
-    "mistral": frozenset({"sliding_window", "layer_types"}),
-    "mixtral": frozenset(
-        {
-            "sliding_window",
-            "num_local_experts",
-            "num_experts_per_tok",
-            "router_aux_loss_coef",
-            "output_router_logits",
-            "router_jitter_noise",
-        }
-    ),
-}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -115,6 +48,11 @@ def _same(a: Any, b: Any) -> bool:
     """Equality in which NaN equals NaN (a NaN field is reported as NaN, not as a conflict)."""
     both_nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
     return both_nan or a == b
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
@@ -133,108 +71,154 @@ def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
             f"{CONFIG}: architectures={arch!r} is not [{ARCHITECTURES[family]!r}], the causal "
             f"LM of model_type={family!r}"
         )
-    unknown = sorted(set(hf) - _INERT - _READ - _FAMILY_READ[family])
+    unknown = policy.unknown_fields(family, hf)
     if unknown:
-        key = unknown[0]
-        raise ValueError(
-            f"{CONFIG}: {key}={hf[key]!r} is a field rudax.models does not implement; a "
-            f"model that needs it would compute something else, so the checkpoint is refused"
+        named = ", ".join(f"{key}={_short(hf[key])}" for key in unknown)
+        warnings.warn(
+            f"{CONFIG}: {named}: not a field of transformers' {ARCHITECTURES[family]}, which "
+            "ignores it; rudax.models loads the checkpoint without it",
+            stacklevel=3,
         )
+    defaults = policy.DEFAULTS[family]
+
+    def get(key: str) -> Any:  # the file's value, else transformers' default
+        return hf[key] if key in hf else defaults.get(key)
 
     def need(key: str) -> Any:
         if hf.get(key) is None:
-            raise ValueError(f"{CONFIG}: {key} is missing")
+            raise ValueError(f"{CONFIG}: {key} is missing" + (" (null)" if key in hf else ""))
         return hf[key]
 
     def refuse(key: str, why: str) -> None:
-        raise ValueError(f"{CONFIG}: {key}={hf[key]!r} is not supported; {why}")
+        raise ValueError(f"{CONFIG}: {key}={get(key)!r} is not supported; {why}")
 
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    def flag(key: str) -> bool:
+        value = get(key)
+        if not isinstance(value, bool):
+            raise TypeError(f"{CONFIG}: {key}={value!r} must be true or false (a JSON bool)")
+        return value
+
+    def zero(key: str, why: str) -> None:
+        value = get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{CONFIG}: {key}={value!r} must be a number")
+        if value != 0:
+            refuse(key, why)
+
+    for key, (off, other) in policy.CROSS_FAMILY.items():
+        if key in hf and policy.kind(family, key) == "other family" and hf[key] is not off:
+            raise ValueError(
+                f"{CONFIG}: {key}={hf[key]!r} is not an option of model_type={family!r} "
+                f"(transformers' {ARCHITECTURES[family]} would ignore it, model_type={other!r} "
+                f"reads it): use model_type={other!r}, or remove the field"
+            )
+    if hf.get("quantization_config") is not None:
+        refuse("quantization_config", "the weights are read as plain floats (dequantize first)")
+    if get("hidden_act") not in ("silu", "swish"):
         refuse("hidden_act", "the MLP is SwiGLU (silu)")
-    if hf.get("attention_dropout", 0.0) not in (0, 0.0):
-        refuse("attention_dropout", "attention has no dropout here (0.0 only)")
+    zero("attention_dropout", "attention has no dropout here (0.0 only)")
+    if "rope_interleaved" in hf and flag("rope_interleaved"):
+        refuse("rope_interleaved", "RoPE rotates the two halves of each head, as transformers")
     qkv_bias = o_bias = mlp_bias = False
     window = None
     experts: dict[str, Any] = {}
     if family == "llama":
-        qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-        mlp_bias = bool(hf.get("mlp_bias", False))
-        if hf.get("rope_interleaved", False):
-            refuse("rope_interleaved", "RoPE rotates the two halves of each head, as transformers")
+        qkv_bias = o_bias = flag("attention_bias")
+        mlp_bias = flag("mlp_bias")
     elif family == "qwen2":
         qkv_bias = True
-        layer_types = hf.get("layer_types")
-        if layer_types is not None and set(layer_types) != {"full_attention"}:
-            refuse("layer_types", "Qwen2's per-layer windows are not implemented")
-        if hf.get("use_sliding_window", False):
-            refuse("use_sliding_window", "Qwen2's per-layer windows are not implemented")
+        if flag("use_sliding_window"):
+            named = {k: get(k) for k in ("sliding_window", "max_window_layers")}
+            refuse("use_sliding_window", f"Qwen2's per-layer windows ({named}) are not implemented")
         # sliding_window and max_window_layers act only with use_sliding_window; Qwen2
         # checkpoints carry them (4096, 28...) with it off.
-    elif family == "mixtral":
-        window = hf.get("sliding_window")
-        if hf.get("router_jitter_noise", 0.0) not in (0, 0.0):
-            refuse("router_jitter_noise", "the router has no jitter here (0.0 only)")
-        experts = {"num_local_experts": need("num_local_experts")}
-        for key in ("num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"):
-            if key in hf:
-                experts[key] = hf[key]
-    else:  # mistral: one window in every layer, or none
-        window = hf.get("sliding_window")
-        layer_types = hf.get("layer_types")
-        if layer_types is not None:
-            kinds = set(layer_types)
-            want = {"sliding_attention"} if window is not None else {"full_attention"}
-            if kinds != want:
-                refuse("layer_types", f"every layer must be {want.pop()} for this sliding_window")
+    else:  # mistral and mixtral: one window in every layer, or none
+        window = get("sliding_window")
+    if family == "mixtral":
+        zero("router_jitter_noise", "the router has no jitter here (0.0 only)")
+        experts = {key: get(key) for key in ("num_experts_per_tok", "router_aux_loss_coef")}
+        experts["output_router_logits"] = flag("output_router_logits")
+        experts["num_local_experts"] = _experts(hf, need)
     param_dtype = _dtype(hf) if param_dtype is None else param_dtype
-    seq_len = hf.get("max_position_embeddings", 2048)
-    theta, scaling = _rope(hf, seq_len)
+    seq_len = get("max_position_embeddings")
+    theta, scaling = _rope(hf, seq_len, defaults["rope_theta"])
     try:
-        return cls(
+        config = cls(
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
             intermediate_size=need("intermediate_size"),
             num_hidden_layers=need("num_hidden_layers"),
             num_attention_heads=need("num_attention_heads"),
-            num_key_value_heads=hf.get("num_key_value_heads"),
-            head_dim=hf.get("head_dim"),
+            num_key_value_heads=get("num_key_value_heads"),
+            head_dim=get("head_dim"),
             max_position_embeddings=seq_len,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=get("rms_norm_eps"),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            tie_word_embeddings=flag("tie_word_embeddings"),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             sliding_window=window,
             model_type=family,
             param_dtype=param_dtype,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=get("eos_token_id"),
+            pad_token_id=get("pad_token_id"),
             **experts,
         )
     except (TypeError, ValueError) as e:
-        if str(e).startswith(f"{CONFIG}: "):  # need()'s, named already
+        if str(e).startswith(f"{CONFIG}: "):  # named already
             raise
-        raise type(e)(f"{CONFIG}: {e}") from e
+        # a default the file did not hold, named as such
+        filled = [k for k in defaults if k not in hf and defaults[k] is not None and k in str(e)]
+        why = "".join(
+            f" ({k}={defaults[k]!r} is transformers' default for model_type={family!r}; the "
+            "file has none)"
+            for k in filled
+        )
+        raise type(e)(f"{CONFIG}: {e}{why}") from e
+    _layer_types(hf, config.num_hidden_layers, config.window is not None)
+    return config
+
+
+def _experts(hf: dict[str, Any], need: Any) -> Any:
+    """Mixtral's expert count: ``num_local_experts``, or its alias ``num_experts``, else 8."""
+    values = [need(key) for key in ("num_local_experts", "num_experts") if key in hf]
+    if len(values) == 2 and values[0] != values[1]:
+        raise ValueError(f"{CONFIG}: num_local_experts and num_experts disagree: {values}")
+    return values[0] if values else policy.DEFAULTS["mixtral"]["num_local_experts"]
+
+
+def _layer_types(hf: dict[str, Any], layers: int, windowed: bool) -> None:
+    """A ``layer_types`` list must name the config's one attention for each of its layers."""
+    kinds = hf.get("layer_types")
+    want = "sliding_attention" if windowed else "full_attention"
+    if kinds is not None and (not isinstance(kinds, list) or kinds != [want] * layers):
+        raise ValueError(
+            f"{CONFIG}: layer_types={_short(kinds)} is not supported; every layer must be "
+            f"{want}, one entry for each of num_hidden_layers={layers} (per-layer windows are "
+            "not implemented)"
+        )
 
 
 def _dtype(hf: dict[str, Any]) -> Any:
     names = {key: hf[key] for key in ("dtype", "torch_dtype") if hf.get(key) is not None}
-    if len(set(names.values())) > 1:
+    if len(set(map(repr, names.values()))) > 1:
         raise ValueError(f"{CONFIG}: dtype and torch_dtype disagree: {names}")
     if not names:
         raise ValueError(f"{CONFIG}: no dtype or torch_dtype field: pass param_dtype")
     key, name = next(iter(names.items()))
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise ValueError(f"{CONFIG}: {key}={name!r} is not supported; {sorted(DTYPES)}")
     return DTYPES[name]
 
 
-def _rope(hf: dict[str, Any], seq_len: Any) -> tuple[Any, Llama3RopeScaling | None]:
-    """(rope_theta, scaling) from v4's rope_theta + rope_scaling and/or v5's rope_parameters."""
+def _rope(
+    hf: dict[str, Any], seq_len: Any, default_theta: float
+) -> tuple[Any, Llama3RopeScaling | None]:
+    """(rope_theta, scaling) from v4's rope_theta + rope_scaling and/or v5's rope_parameters,
+    and the top-level fields transformers folds into them."""
     rope: dict[str, Any] = {}
     for key in ("rope_scaling", "rope_parameters"):
         part = hf.get(key)
@@ -249,11 +233,10 @@ def _rope(hf: dict[str, Any], seq_len: Any) -> tuple[Any, Llama3RopeScaling | No
                     f"{rope[field]!r} and {value!r}"
                 )
             rope[field] = value
-    if "rope_theta" in hf:
-        if not _same(rope.setdefault("rope_theta", hf["rope_theta"]), hf["rope_theta"]):
+    for key in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings"):
+        if key in hf and not _same(rope.setdefault(key, hf[key]), hf[key]):
             raise ValueError(
-                f"{CONFIG}: rope_theta={hf['rope_theta']!r} but rope_parameters has "
-                f"rope_theta={rope['rope_theta']!r}"
+                f"{CONFIG}: {key}={hf[key]!r} but rope_parameters has {key}={rope[key]!r}"
             )
     kinds = {rope[key] for key in ("rope_type", "type") if key in rope}
     if len(kinds) > 1:
@@ -264,13 +247,16 @@ def _rope(hf: dict[str, Any], seq_len: Any) -> tuple[Any, Llama3RopeScaling | No
             f"{CONFIG}: rope_type={kind!r} is not implemented; rudax.models implements "
             f"{list(_ROPE_TYPES)}"
         )
+    # original_max_position_embeddings is llama3's L; transformers' default RoPE ignores it
     fields = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    fields.add("original_max_position_embeddings")
     if kind == "llama3":
-        fields |= {*_LLAMA3_FIELDS, "original_max_position_embeddings"}
-    if not _same(rope.get("partial_rotary_factor", 1.0), 1.0):
+        fields |= set(_LLAMA3_FIELDS)
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if isinstance(partial, bool) or not _same(partial, 1.0):
         raise ValueError(
-            f"{CONFIG}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
-            "supported; RoPE rotates every channel here (1.0)"
+            f"{CONFIG}: partial_rotary_factor={partial!r} is not supported; RoPE rotates "
+            "every channel here (1.0)"
         )
     extra = sorted(set(rope) - fields)
     if extra:
@@ -278,7 +264,7 @@ def _rope(hf: dict[str, Any], seq_len: Any) -> tuple[Any, Llama3RopeScaling | No
             f"{CONFIG}: rope field {extra[0]}={rope[extra[0]]!r} is not implemented for "
             f"rope_type={kind!r}"
         )
-    theta = rope.get("rope_theta", 10000.0)
+    theta = rope.get("rope_theta", default_theta)
     if kind == "default":
         return theta, None
     missing = [f for f in _LLAMA3_FIELDS if f not in rope]
