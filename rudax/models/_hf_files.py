@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 import rudax.kernels as rk
 import rudax.layers as rl
 from rudax.models import _llama, _llama_layers, _mixtral
-from rudax.models._hf_mesh_load import load_onto_mesh
+from rudax.models._hf_mesh_load import Rounding, load_onto_mesh
 from rudax.models._hf_names import load_state, state_dict
 from rudax.models._llama import LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig
@@ -274,7 +274,7 @@ def _projections(
 
 
 def _quantize_projections(
-    model: LlamaForCausalLM, where: dict[str, SafetensorsFile], folder: Path, rounding: str
+    model: LlamaForCausalLM, where: dict[str, SafetensorsFile], folder: Path, rounding: Rounding
 ) -> set[str]:
     """Replaces each decoder projection by an NF4Linear of its tensor; the names it read."""
     used: set[str] = set()

@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -42,7 +42,9 @@ from rudax.models._safetensors import SafetensorsFile
 from rudax.models._shard import shard
 from rudax.sharding._sharded_parameter import shard_size
 
-__all__ = ["load_onto_mesh"]
+__all__ = ["Rounding", "load_onto_mesh"]
+
+Rounding = Literal["cuda", "cpu"]  # NF4's absmax codes: whose kernel to reproduce
 
 AXIS = "fsdp"
 _NF4_FIELDS = ("codes", "absmax_codes", "absmax_scales", "absmax_offset")
@@ -72,7 +74,7 @@ def load_onto_mesh(
     build: Callable[[], LlamaForCausalLM],
     mesh: Mesh,
     *,
-    absmax_rounding: str,
+    absmax_rounding: Rounding,
     gather_dtype: Any = None,
 ) -> LlamaForCausalLM:
     """The model ``build()`` makes, sharded over ``mesh``'s ``fsdp`` axis, filled from files.
@@ -157,11 +159,12 @@ def _sources(model: nnx.Module) -> dict[tuple[Any, ...], Any]:
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Variable):
             continue
-        parent, named = model, []
+        parent: Any = model
+        named: list[Any] = []
         for part in path[:-1]:
             if not (isinstance(parent, rl.LoRALinear) and part == "base"):
                 named.append(part)
-            parent = parent[part] if isinstance(parent, nnx.List) else getattr(parent, part)
+            parent = _child(parent, part)
         leaf, source = path[-1], None
         if isinstance(parent, rl.NF4Linear) and leaf in _NF4_FIELDS:
             names, _, _ = hf_name((*named, "kernel"), node.shape)
@@ -174,6 +177,11 @@ def _sources(model: nnx.Module) -> dict[tuple[Any, ...], Any]:
                 pass
         out[path] = source
     return out
+
+
+def _child(node: Any, part: Any) -> Any:
+    """``node``'s child at one step of an nnx path (an index into a list, else an attribute)."""
+    return node[part] if isinstance(part, int) else getattr(node, str(part))
 
 
 def _targets(
@@ -298,10 +306,11 @@ class _NF4Pieces:
         folder: Path,
         mesh: Mesh,
         param_dtype: Any,
-        rounding: str,
+        rounding: Rounding,
     ):
         self.where, self.folder, self.mesh = where, folder, mesh
-        self.param_dtype, self.rounding = param_dtype, rounding
+        self.param_dtype = param_dtype
+        self.rounding: Rounding = rounding
         axis = mesh.axis_names.index(AXIS)
         me = jax.process_index()
         self.ranks = sorted(
