@@ -3,9 +3,12 @@
 ``LlamaConfig`` is the architecture in Hugging Face's field names: ``from_hf`` reads a
 ``config.json`` as transformers 4.4x and 5.x write it for Llama, Qwen2, Mistral and
 Mixtral checkpoints, refusing (and naming) only a field that would change what the model
-computes; ``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the model, with
-transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and write checkpoint
-folders (``SafetensorsFile`` / ``save_safetensors`` the files), ``generate`` writes text with a
+computes (an unknown field loads with one warning; an absent one takes transformers' default
+for its ``model_type``); ``to_hf`` writes one both versions read. ``LlamaForCausalLM`` is the
+model, with transformers' module names; ``from_pretrained`` / ``save_pretrained`` read and
+write checkpoint folders (``from_pretrained(..., mesh=mesh)`` straight into the FSDP form,
+each process reading only its shards; ``SafetensorsFile`` / ``save_safetensors`` the files),
+``generate`` writes text with a
 KV cache (``num_samples`` continuations of a prompt sharing its keys and values; with
 ``return_logprobs``, a ``Generation`` with each token's log-probability),
 ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for token-weighted
