@@ -49,6 +49,7 @@ Rounding = Literal["cuda", "cpu"]  # NF4's absmax codes: whose kernel to reprodu
 AXIS = "fsdp"
 _NF4_FIELDS = ("codes", "absmax_codes", "absmax_scales", "absmax_offset")
 _BLOCK = 64  # NF4's block: what from_pretrained quantizes with
+_READ_BLOCKS = 2**16  # blocks read and quantized at a time (8 MB of bf16)
 _TIED = ("lm_head.weight", "model.embed_tokens.weight")
 
 
@@ -321,6 +322,10 @@ class _NF4Pieces:
 
     def read(self, source: _NF4, start: int, stop: int, dtype: Any) -> np.ndarray:
         """Elements [start, stop) of ``source.field`` (of each layer's, for a stack)."""
+        if not set(source.names) <= set(self._done):
+            # A projection's fields are filled one after the other: the last one's codes
+            # (this process's share of them, again) are let go before the next is quantized.
+            self._done.clear()
         parts = []
         for name in source.names:
             if name not in self._done:
@@ -354,18 +359,23 @@ class _NF4Pieces:
         runs: dict[int, np.ndarray] = {}  # first block -> the codes of a run of blocks
         absmax = np.zeros(blocks, np.float32)
         for b0, b1 in _merge(spans):
-            tensor = f.get_elements(name, b0 * _BLOCK, b1 * _BLOCK)
-            if not np.isfinite(tensor).all():
-                raise ValueError(
-                    f"{self.folder}: {name} holds non-finite values (NaN or inf), which NF4 "
-                    "cannot store: the checkpoint is damaged, or load it unquantized"
+            run = np.empty((b1 - b0) * _BLOCK // 2, np.uint8)
+            # a few MB read at a time: the quantized run, not the weights, is what stays
+            for c0 in range(b0, b1, _READ_BLOCKS):
+                c1 = min(c0 + _READ_BLOCKS, b1)
+                tensor = f.get_elements(name, c0 * _BLOCK, c1 * _BLOCK)
+                if not np.isfinite(tensor).all():
+                    raise ValueError(
+                        f"{self.folder}: {name} holds non-finite values (NaN or inf), which "
+                        "NF4 cannot store: the checkpoint is damaged, or load it unquantized"
+                    )
+                # rounded to the storage dtype first, as the whole-tensor load does
+                q = rk.nf4_quantize(
+                    tensor.astype(self.param_dtype), double_quant=False, chunk_size=2**16
                 )
-            # rounded to the storage dtype first, as the whole-tensor load does
-            q = rk.nf4_quantize(
-                tensor.astype(self.param_dtype), double_quant=False, chunk_size=2**16
-            )
-            runs[b0] = np.asarray(q.codes)
-            absmax[b0:b1] = np.asarray(q.absmax)
+                run[(c0 - b0) * _BLOCK // 2 : (c1 - b0) * _BLOCK // 2] = np.asarray(q.codes)
+                absmax[c0:c1] = np.asarray(q.absmax)
+            runs[b0] = run
         # Every process's absmax slices, gathered: the offset is the mean of them all.
         held = rs.ShardedParameter.from_local(
             lambda r: absmax[min(r * ka, blocks) : min((r + 1) * ka, blocks)],

@@ -82,12 +82,14 @@ def test_nf4_quantized_per_shard_equals_the_whole_tensor_quantized(tmp_path, sca
     assert len(jax.tree.leaves(nnx.state(got, rl.Quantized))) == 7 * 4 * (1 if scan else 2)
 
 
-def test_nf4_shards_that_cut_a_block_still_match(tmp_path):
+def test_nf4_shards_that_cut_a_block_still_match(tmp_path, monkeypatch):
     # 3 fsdp ranks over 64 x 192 = 12288 weights: 2048 codes per rank, whole blocks; 192
     # blocks, 64 absmax per rank; with hidden 96 (6144-weight k_proj) the ranks' code
     # slices (1024) end mid-256-block. A 5-device axis splits codes off block boundaries.
     folder = _checkpoint(tmp_path, "llama")
     mesh = _mesh((5,), ("fsdp",))
+    # and each process's blocks read and quantized 5 at a time (runs of 2**16 on a real model)
+    monkeypatch.setattr("rudax.models._hf_mesh_load._READ_BLOCKS", 5)
     want = shard(from_pretrained(folder, quantize="nf4"), rs.ShardingContext(mesh, "fsdp"))
     _assert_same(from_pretrained(folder, quantize="nf4", mesh=mesh), want)
 
