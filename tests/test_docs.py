@@ -129,3 +129,17 @@ def test_readme_shared_prompts_example_runs():
     samples, rows = namespace["samples"], namespace["rows"]
     assert [len(t) for t in samples.tokens] == [8] * 4
     assert int(namespace["metrics"]["tokens"]) == rows.num_tokens == 32
+
+
+def test_readme_mesh_load_example_runs():
+    """The models example, then the mesh load after it (its names are the example's)."""
+    readme = (ROOT / "README.md").read_text()
+    models = re.search(r"```python\n(import tempfile\n.*?)```", readme, flags=re.S).group(1)
+    section = readme.split("\n### Loading straight onto a mesh\n", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(models + block, "README.md", "exec"), namespace)
+    import rudax.sharding as rs
+
+    sharded = namespace["sharded"]
+    assert isinstance(sharded.model.layers[0].self_attn.q_proj, rs.ShardedModule)
