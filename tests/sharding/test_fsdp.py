@@ -172,7 +172,9 @@ def test_bad_input():
         small = _mesh("auto", 4)
         f = jax.shard_map(lambda q: q.gather()[None], mesh=small, in_specs=P(), out_specs=P(AX))
         f(rs.ShardedParameter(jnp.ones(2), (5, 3), AX, N))
-    with pytest.raises(ValueError, match=r"shards\[7\] must be flat with 1 elements"):
+    with pytest.raises(
+        ValueError, match=r"shards\[7\] must have shape \(1,\) \(or \(2,\) padded\)"
+    ):
         shards = [np.zeros(2, np.float32)] * 7 + [np.zeros(3, np.float32)]
         rs.ShardedParameter.from_local(shards, (5, 3), mesh, dtype=np.float32)
     with pytest.raises(ValueError, match=r"shards\[7\]: its padding .* must be zero"):
