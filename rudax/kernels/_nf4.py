@@ -122,9 +122,20 @@ def _check_weight(w: jax.Array | np.ndarray, block_size: int) -> None:
         )
 
 
+def _nan_max(x: jax.Array, *, axis: int) -> jax.Array:
+    """``max`` along ``axis`` that is NaN wherever a NaN is, on every backend and shape.
+
+    XLA's reduce does not promise to propagate NaN: XLA:CPU vectorizes ``max`` into
+    instructions that return the other operand when one is NaN, so a row's NaN is kept or
+    dropped by where it lies (in a (4, 64) weight it was kept, in a (64, 64) one every position
+    was dropped). ``isnan`` and a logical ``or`` have no such freedom.
+    """
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axis), jnp.nan, jnp.max(x, axis=axis))
+
+
 def _quantize_nf4(x_NxB: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's absmax, and each value's nearest NF4 index after scaling by it."""
-    absmax_N = jnp.max(jnp.abs(x_NxB), axis=1)
+    absmax_N = _nan_max(jnp.abs(x_NxB), axis=1)
     # bitsandbytes multiplies by the reciprocal (not a division: the bits differ).
     # A NaN absmax keeps its NaN reciprocal (every value then takes the last code, as in
     # bitsandbytes); only a zero or subnormal one scales by 0.
@@ -158,7 +169,8 @@ def nf4_quantize(
 
     the tie going to the lower ``k``. Non-finite weights follow bitsandbytes: a block holding
     a NaN or an inf is NaN when dequantized, but for an inf's own position, which is +inf
-    (whatever its sign, as bitsandbytes gives). A finite weight of magnitude >= 2**126 is
+    (whatever its sign, as bitsandbytes gives); with ``double_quant`` the offset, a mean over
+    every block, is then NaN, and so is every weight. A finite weight of magnitude >= 2**126 is
     refused (its block's reciprocal would be subnormal, which XLA flushes to zero; under
     ``jit`` such a block is stored as zeros). With ``double_quant`` the absmax values are quantized
     again (QLoRA section 3): ``offset = mean(absmax)``, and ``absmax - offset`` is stored as

@@ -165,6 +165,70 @@ def test_non_finite_weights_dequantize_as_bitsandbytes_does(value, position):
     assert np.isnan(want[1]).sum() == (64 if np.isnan(value) else 63)
 
 
+# Issue 39: XLA:CPU's vectorized max returns the other operand when one is NaN, so whether a
+# block's NaN survived depended on the shape and its place: in a (4, 64) weight it did, in a
+# (64, 64) one no position did (a NaN at [7, 3] came back as 3.899, bitsandbytes' as 4096 NaNs).
+NON_FINITE_SHAPES = [(64, 64), (256, 128), (576, 576)]
+_jitted_quantize = jax.jit(
+    nf4_quantize, static_argnames=("double_quant", "absmax_rounding", "chunk_size")
+)
+
+
+@pytest.mark.parametrize("shape", NON_FINITE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_nan_at_every_position_makes_its_block_nan(shape):
+    """Weight k holds a NaN in each block b at offset (b + k) % 64: 64 weights put one at every
+    position of the shape; each block's absmax, and so each block, must be NaN."""
+    n_blocks = np.prod(shape) // 64
+    w = np.random.default_rng(5).normal(0.0, 0.02, (n_blocks, 64)).astype(np.float32)
+    lost = []
+    for k in range(64):
+        x = w.copy()
+        x[np.arange(n_blocks), (np.arange(n_blocks) + k) % 64] = np.nan
+        absmax = np.asarray(nf4_quantize(jnp.asarray(x.reshape(shape)), double_quant=False).absmax)
+        lost += [(b, (b + k) % 64) for b in np.flatnonzero(~np.isnan(absmax))]
+    assert not lost, f"{len(lost)} (block, offset) NaNs dropped, the first {lost[:5]}"
+
+
+@needs_bitsandbytes
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("shape", NON_FINITE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_non_finite_weight_dequantizes_as_bitsandbytes_does(shape, value):
+    """One NaN or inf at a few places of real shapes, with and without double quantization
+    (where a NaN's block makes the offset, so every weight, NaN), each rounding, in chunks and
+    under jit: the dequantized weight is bitsandbytes'. (With double quantization an inf turns
+    every weight into a NaN, whose sign bit differs from bitsandbytes', so NaNs compare equal.)"""
+    w = np.random.default_rng(6).normal(0.0, 0.02, shape).astype(np.float32)
+    positions = [(0, 0), (7, 3), (shape[0] // 2, shape[1] - 1), (shape[0] - 1, shape[1] - 1)]
+    for position in positions:
+        x = w.copy()
+        x[position] = value
+        for double_quant in (False, True):
+            codes_t, state = bnbf.quantize_4bit(
+                torch.from_numpy(x),
+                quant_type="nf4",
+                blocksize=64,
+                compress_statistics=double_quant,
+            )
+            want = dequantize_4bit(codes_t, state).numpy()
+            assert np.isnan(want).sum() == (
+                x.size if double_quant else 64 if np.isnan(value) else 63
+            )
+            options = [
+                dict(absmax_rounding="cuda"),
+                dict(absmax_rounding="cpu", chunk_size=x.size // 4),
+            ]
+            for kw in options if double_quant else [{}]:
+                # Traced once per shape and option: at the first position.
+                for quantize in (nf4_quantize, _jitted_quantize)[: 2 if position == (0, 0) else 1]:
+                    q = quantize(jnp.asarray(x), double_quant=double_quant, **kw)
+                    np.testing.assert_array_equal(
+                        np.asarray(q.codes), codes_t.numpy().reshape(-1), err_msg=f"{position}"
+                    )
+                    np.testing.assert_array_equal(
+                        nf4_dequantize(q), want, err_msg=f"{position} {double_quant=} {kw}"
+                    )
+
+
 def test_a_magnitude_whose_reciprocal_is_subnormal_is_refused():
     """Issue 29: a block whose absmax is >= 2**126 came back as zeros (its reciprocal is
     subnormal and XLA flushes it); bitsandbytes keeps it. Refused, naming the block."""

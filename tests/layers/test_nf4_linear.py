@@ -164,6 +164,29 @@ def test_weight_is_bitsandbytes_quantize_4bit_of_the_torch_weight():
     np.testing.assert_array_equal(_bits(nf4_dequantize(layer.weight)), _bits(dequantized))
 
 
+@needs_bitsandbytes
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_a_nan_weight_stays_nan_as_in_bitsandbytes(double_quant):
+    """Issue 39: a (64, 64) layer with a NaN at weight [7, 3] came back finite (XLA:CPU's max
+    dropped the NaN); bitsandbytes gives a NaN block, and under double quantization a NaN
+    offset, so a NaN weight everywhere. A NaN in each column in turn (in row 7, or the diagonal)."""
+    rng = np.random.default_rng(3)
+    kernel = rng.normal(0.0, 0.05, (64, 64)).astype(np.float32)  # [in, out]
+    lin = rl.Linear(64, 64, use_bias=False, rngs=nnx.Rngs(0))
+    for i in range(64):
+        w = kernel.T.copy()  # [out, in], as torch and bitsandbytes store it
+        w[7 if i % 2 else i, i] = np.nan
+        lin.kernel[...] = jnp.asarray(w.T)
+        layer = rl.NF4Linear.from_linear(lin, double_quant=double_quant, impl="xla")
+        codes_t, state = bnbf.quantize_4bit(
+            torch.from_numpy(w), quant_type="nf4", blocksize=64, compress_statistics=double_quant
+        )
+        want = dequantize_4bit(codes_t, state).numpy()
+        np.testing.assert_array_equal(nf4_dequantize(layer.weight), want, err_msg=f"{i=}")
+        y = np.asarray(layer(jnp.ones((1, 64))))
+        assert np.isnan(y).all() if double_quant else np.isnan(y).sum() == 1
+
+
 # ---------------------------------------------------------------------------- storage
 
 
