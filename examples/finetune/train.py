@@ -22,7 +22,8 @@ The run, top to bottom:
   file, the seed and ``i`` only: the data position is the update count.
 - model: ``rudax.models.from_pretrained`` reads the base tensor by tensor into a
   ``LlamaForCausalLM`` (module paths are Hugging Face's names), with ``--quantize nf4``
-  quantizing each attention and MLP projection as it is read (``rudax.layers.NF4Linear``);
+  quantizing each attention and MLP projection as it is read (``rudax.layers.NF4Linear``,
+  its 8-bit absmax codes rounded as ``--absmax-rounding`` says);
   ``rudax.layers.apply_lora`` puts rank ``--rank`` adapters on ``--targets`` (fp32). The
   base's identity is the SHA-256 of its config.json and of the model as loaded (every
   leaf's path, dtype, shape and bytes).
@@ -159,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     base.add_argument("--seed", type=int, default=0, help="adapter init, dropout, data order")
     model = p.add_argument_group("model (run flags)")
     model.add_argument("--quantize", choices=("nf4", "none"), default="nf4", help="the base")
+    model.add_argument(
+        "--absmax-rounding",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="with --quantize nf4, whose 8-bit absmax codes (QLoRA's double quantization) "
+        "to reproduce bit for bit: bitsandbytes' CUDA kernel, which quantized the checkpoints "
+        "people share, or its CPU kernel, which rounds about 1 in 400 of them the other way "
+        "(rudax.kernels.nf4_quantize)",
+    )
     model.add_argument(
         "--param-dtype", choices=sorted(DTYPES), default="bfloat16", help="unquantized storage"
     )
@@ -300,7 +310,11 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     param_dtype, dtype = DTYPES[args.param_dtype], DTYPES[args.dtype]
     try:
         model = rm.from_pretrained(
-            base_dir, param_dtype=param_dtype, dtype=dtype, quantize=quantize
+            base_dir,
+            param_dtype=param_dtype,
+            dtype=dtype,
+            quantize=quantize,
+            absmax_rounding=args.absmax_rounding,
         )
     except ValueError as e:
         raise UsageError(f"--base {base_dir}: {e}") from e

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import peft
@@ -318,6 +319,44 @@ def test_resume_before_any_checkpoint_starts_over_and_a_moved_base_is_found(
         ("train", 2),
         ("eval", 2),
     ]
+
+
+def test_absmax_rounding_is_a_flag_of_the_run(base_dir, data_files, tmp_path, capsys):
+    """Issue 39: the run quantized with the CUDA kernel's 8-bit absmax codes and gave no way to
+    choose the CPU kernel's (0.23% of a real model's codes differ). --absmax-rounding cpu is
+    saved with the run, a resume keeps it (and refuses another), and the model it tunes holds
+    from_pretrained's codes of that rounding."""
+    import rudax.models as rm
+
+    run_dir = tmp_path / "run"
+    flags = _flags(base_dir, data_files, run_dir, "--steps", "2", "--checkpoint-every", "1")
+    main([*flags, "--absmax-rounding", "cpu", "--stop-at", "1"])
+    assert json.loads((run_dir / "config.json").read_text())["absmax_rounding"] == "cpu"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--resume", "--run-dir", str(run_dir), "--absmax-rounding", "cuda"])
+    assert "--absmax-rounding 'cuda' (the run has 'cpu')" in capsys.readouterr().err
+    result = main(["--resume", "--run-dir", str(run_dir)])
+    assert result["step"] == 2
+    codes = lambda model: {
+        jax.tree_util.keystr(path).replace("['base']", ""): np.asarray(leaf)  # under LoRA
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, rl.Quantized))
+        if "absmax_codes" in jax.tree_util.keystr(path)
+    }
+    got = codes(result["model"])
+    kw = dict(quantize="nf4", param_dtype=jnp.bfloat16)  # the run's default --param-dtype
+    cpu = codes(rm.from_pretrained(base_dir, absmax_rounding="cpu", **kw))
+    cuda = codes(rm.from_pretrained(base_dir, absmax_rounding="cuda", **kw))
+    assert got.keys() == cpu.keys() and len(got) == 14
+    assert all(np.array_equal(got[k], cpu[k]) for k in got)
+    assert any(not np.array_equal(got[k], cuda[k]) for k in got)  # 2 of the 1536 codes
+
+
+def test_help_names_every_choice_of_absmax_rounding(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--absmax-rounding {cuda,cpu}" in text and "(default: cuda)" in text
 
 
 @pytest.mark.parametrize(
