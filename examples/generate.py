@@ -10,6 +10,14 @@ it the text is encoded as it is, with the tokenizer's special tokens around it (
 Decoding is greedy unless ``--temperature`` is above 0; it stops at the checkpoint's eos ids
 (``generation_config.json``, else ``config.json``) or after ``--max-new-tokens``.
 
+An adapter is applied to the base as it was trained: an adapter that ``examples.finetune``
+wrote records how that run held the base (``rudax_base.json`` beside its files: NF4 or not,
+the storage and compute dtypes, the 8-bit absmax rounding), and so does its run's
+``config.json`` for the run's own ``RUN/adapter``. A QLoRA adapter on the unquantized base
+computes another function (logits 0.54 apart, relative, on a tuned SmolLM). ``--quantize``,
+``--param-dtype``, ``--dtype`` and ``--absmax-rounding`` override the record; with no record
+(a peft adapter, or none) the base is read as stored.
+
 Everything here is the library: ``rudax.models.from_pretrained``, ``rudax.layers.load_adapter``,
 ``rudax.models.generate`` and ``rudax.models.load_chat_template``.
 """
@@ -23,10 +31,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from tokenizers import Tokenizer
 
 import rudax.layers as rl
-from rudax.models import from_pretrained, generate, load_chat_template
+from rudax.models import LlamaForCausalLM, from_pretrained, generate, load_chat_template
+
+# What examples.finetune writes beside an adapter: from_pretrained's keywords in its run.
+BASE_RECORD = "rudax_base.json"
+BASE_FLAGS = ("quantize", "param_dtype", "dtype", "absmax_rounding")
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+CHOICES = {
+    "quantize": ("nf4", "none"),
+    "param_dtype": tuple(sorted(DTYPES)),
+    "dtype": tuple(sorted(DTYPES)),
+    "absmax_rounding": ("cuda", "cpu"),
+}
 
 
 def _eos_ids(folder: Path, config_eos: int | tuple[int, ...] | None) -> list[int]:
@@ -41,12 +61,69 @@ def _eos_ids(folder: Path, config_eos: int | tuple[int, ...] | None) -> list[int
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
 
 
+def base_record(adapter: Path) -> tuple[dict[str, str | None], Path | None]:
+    """How the adapter's training run held the base, and the file that says so: the adapter's
+    ``rudax_base.json``, else its run's ``config.json`` (``RUN/adapter``, an examples.finetune
+    run's own); ``({}, None)`` for an adapter without either (a peft adapter)."""
+    record, run_config = adapter / BASE_RECORD, adapter.parent / "config.json"
+    for path in (record, run_config):
+        if not path.is_file():
+            continue
+        saved = json.loads(path.read_text())
+        # A run's config.json holds its flags; another config.json (a model's) is no record.
+        if path == record or {"quantize", "param_dtype", "rank", "targets"} <= saved.keys():
+            # Runs from before --absmax-rounding quantized as its default does.
+            return {"absmax_rounding": "cuda"} | {k: saved.get(k) for k in BASE_FLAGS}, path
+    return {}, None
+
+
+def load(
+    folder: Path, adapter: Path | None, flags: dict[str, str | None]
+) -> tuple[LlamaForCausalLM, str]:
+    """The model to generate with, and a line saying how its base was read: ``flags``
+    (``--quantize`` .. ``--absmax-rounding``, None where not given) over the adapter's
+    record."""
+    record, source = base_record(adapter) if adapter is not None else ({}, None)
+    how = record | {k: v for k, v in flags.items() if v is not None}
+    for key, allowed in CHOICES.items():  # a flag given is one of them: argparse checked it
+        if how.get(key) is not None and how[key] not in allowed:
+            raise ValueError(f"{source}: {key} {how[key]!r} is not one of {allowed}")
+    quantize = None if how.get("quantize") in (None, "none") else how["quantize"]
+    param_dtype, dtype = (
+        DTYPES[v] if v else None for v in (how.get("param_dtype"), how.get("dtype"))
+    )
+    model = from_pretrained(
+        folder,
+        param_dtype=param_dtype,
+        dtype=dtype,
+        quantize=quantize,
+        absmax_rounding=how.get("absmax_rounding") or "cuda",
+    )
+    if adapter is not None:
+        rl.load_adapter(model, adapter)
+    described = ", ".join(f"{k} {how[k]}" for k in BASE_FLAGS if how.get(k) is not None)
+    line = f"base {folder}: {described or 'as stored'}"
+    if source is not None:
+        line += f" (as the adapter was trained: {source})"
+    return model, line
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m examples.generate", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", required=True, help="a Hugging Face checkpoint folder")
     p.add_argument("--adapter", help="a peft LoRA adapter folder to apply")
+    recorded = " (default: as the adapter's run held the base, else as stored)"
+    p.add_argument("--quantize", choices=CHOICES["quantize"], help="the base" + recorded)
+    p.add_argument("--param-dtype", choices=CHOICES["param_dtype"], help="storage" + recorded)
+    p.add_argument("--dtype", choices=CHOICES["dtype"], help="compute dtype" + recorded)
+    p.add_argument(
+        "--absmax-rounding",
+        choices=CHOICES["absmax_rounding"],
+        help="with --quantize nf4, bitsandbytes' kernel whose 8-bit absmax codes to make"
+        + recorded,
+    )
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="render the prompt as a user turn")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -65,9 +142,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     if not (folder / "tokenizer.json").is_file():
         p.error(f"--model {folder}: no tokenizer.json (a Hugging Face checkpoint folder?)")
     try:
-        model = from_pretrained(folder)
-        if args.adapter is not None:
-            rl.load_adapter(model, args.adapter)
+        adapter = None if args.adapter is None else Path(args.adapter)
+        model, how = load(folder, adapter, {k: getattr(args, k) for k in BASE_FLAGS})
+        print(how, file=sys.stderr)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         if args.chat:
             chat = load_chat_template(folder)

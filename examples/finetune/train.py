@@ -43,7 +43,9 @@ The run, top to bottom:
   rudax.run.launch``): ``examples/finetune/mesh.py``. Process 0 writes the run's files.
 - output: ``RUN/metrics.jsonl``, ``RUN/loss.png``, and ``--export`` (default ``RUN/adapter``):
   ``adapter_config.json`` + ``adapter_model.safetensors``, which
-  ``peft.PeftModel.from_pretrained`` loads on transformers' model of the base; with
+  ``peft.PeftModel.from_pretrained`` loads on transformers' model of the base, and
+  ``rudax_base.json``, how the base was held (``--quantize``, ``--param-dtype``, ``--dtype``,
+  ``--absmax-rounding``: ``examples.generate --adapter`` loads it so); with
   ``--merged DIR`` the model with its adapters folded in (``rudax.layers.merge_lora``) as a
   checkpoint folder (``rudax.models.save_pretrained``, the base's tokenizer copied).
 """
@@ -539,6 +541,10 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     if not primary:  # process 0 writes the adapter (and the merged model)
         return result | {"adapter": str(out), "model": model}
     rl.save_adapter(model, out, base_model_name_or_path=str(base_dir))
+    # How the base was held, for examples.generate to load it so (a QLoRA adapter on the
+    # unquantized base computes another function); peft reads only its own two files.
+    held = {k: getattr(args, k) for k in ("quantize", "param_dtype", "dtype", "absmax_rounding")}
+    (out / "rudax_base.json").write_text(json.dumps(held, indent=1) + "\n")
     if args.merged:
         merged = nnx.clone(model)  # the returned model keeps its adapters
         rl.merge_lora(merged)

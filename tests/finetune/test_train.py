@@ -124,6 +124,44 @@ def test_peft_loads_the_adapter_and_computes_rudax_logits(full_run, base_dir):
     assert np.max(np.abs(got - want)) < 2e-5 * scale
 
 
+def test_generate_puts_the_adapter_on_the_base_as_it_was_trained(full_run, base_dir, capsys):
+    """Issue 39: examples.generate --adapter put a QLoRA adapter on the unquantized base, a
+    function the run never trained (a tuned SmolLM's logits 0.54 apart, relative). The run's
+    adapter records how it held the base (NF4 from --param-dtype float32 here); generate loads
+    the base so: the tuned model's logits bit for bit, and its greedy completion."""
+    from tokenizers import Tokenizer
+
+    from examples import generate as program
+    from rudax.models import generate
+
+    run_dir, result = full_run
+    tuned, adapter = result["model"], run_dir / "adapter"  # eval mode: no dropout
+    held = json.loads((adapter / "rudax_base.json").read_text())
+    assert held == dict(
+        quantize="nf4", param_dtype="float32", dtype="float32", absmax_rounding="cuda"
+    )
+    # Through the command line: the tuned model's greedy completion (a validation prompt whose
+    # completion on the base as stored differs after a few tokens).
+    prompt = "def total_109(beta, n=4):\n"
+    tokenizer = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+    tokens = generate(tuned, [tokenizer.encode(prompt).ids], 16, stop_tokens=[0])[0]
+    capsys.readouterr()
+    argv = ["--model", str(base_dir), "--adapter", str(adapter), "--max-new-tokens", "16"]
+    completion = program.main([*argv, "--prompt", prompt])
+    assert completion == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert "quantize nf4, param_dtype float32" in capsys.readouterr().err
+    assert completion != program.main([*argv, "--prompt", prompt, "--quantize", "none"])
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 300, size=(2, 32)), jnp.int32)
+    want = np.asarray(tuned(ids))
+    model, how = program.load(base_dir, adapter, dict.fromkeys(program.BASE_FLAGS))
+    assert isinstance(model.model.layers[0].mlp.down_proj.base, rl.NF4Linear)
+    np.testing.assert_array_equal(np.asarray(model(ids)), want)
+    assert how.endswith(f"(as the adapter was trained: {adapter / 'rudax_base.json'})")
+    # The old reading, the base as stored, is another function: asked for, it is still there.
+    plain, _ = program.load(base_dir, adapter, {"quantize": "none", "param_dtype": "float32"})
+    assert np.max(np.abs(np.asarray(plain(ids)) - want)) > 1e-3 * np.max(np.abs(want))
+
+
 def test_resume_in_a_fresh_process_is_bit_for_bit(full_run, base_dir, data_files, tmp_path):
     full_dir, _ = full_run
     run_dir = tmp_path / "run"

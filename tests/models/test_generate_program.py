@@ -68,3 +68,22 @@ def test_errors_are_one_line_and_exit_2(folder, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         program.main(["--model", str(folder), "--adapter", str(tmp_path / "no"), "--prompt", "x"])
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_a_bad_base_record_is_named(folder, tmp_path, capsys):
+    """An adapter's rudax_base.json (examples.finetune's record of how it held the base) with
+    a value it cannot hold is refused on one line naming the file, the field and the value."""
+    model = from_pretrained(folder)
+    rl.apply_lora(model, ["q_proj"], rank=2, alpha=4, rngs=nnx.Rngs(0))
+    rl.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(folder))
+    record = tmp_path / "adapter" / "rudax_base.json"
+    record.write_text('{"quantize": "nf4", "param_dtype": "float64"}')
+    argv = ["--model", str(folder), "--adapter", str(tmp_path / "adapter"), "--prompt", "x"]
+    with pytest.raises(SystemExit) as e:
+        program.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert f"error: {record}: param_dtype 'float64' is not one of ('bfloat16'" in err
+    # A flag overrides the record's field.
+    program.main([*argv, "--param-dtype", "float32", "--max-new-tokens", "2"])
+    assert "quantize nf4, param_dtype float32" in capsys.readouterr().err
