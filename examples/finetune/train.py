@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import resource
 import subprocess
@@ -683,6 +684,12 @@ def _check_flags(args: argparse.Namespace, run_dir: Path) -> None:
         )
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    devices = math.prod(args.mesh.values()) if args.mesh else 1
+    if args.batch_size % devices:  # each batch's rows are split over every axis of the mesh
+        raise UsageError(
+            f"--batch-size must be divisible by the mesh's {devices} devices (each holds an "
+            f"equal slice), got --batch-size {args.batch_size}, --mesh {mesh_.mesh_text(args.mesh)}"
+        )
     for flag in ("data", "val_data"):  # before anything is exported or written
         path = getattr(args, flag)
         if path is not None and not Path(path).is_file():

@@ -417,6 +417,20 @@ def test_bad_flags_are_named(tmp_path, capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
+def test_a_batch_the_mesh_cannot_split_is_named(base_dir, data_files, tmp_path, capsys):
+    """Issue 39: --mesh data=3 --batch-size 4 (on 3 devices) ended in jax's IndivisibleError
+    traceback after the base was loaded; refused first, as examples.lm.train refuses it. The
+    rows are split over every axis, fsdp's too."""
+    flags = _flags(base_dir, data_files, tmp_path / "run", "--mesh", "data=2,fsdp=4")
+    with pytest.raises(SystemExit):
+        main([*flags, "--batch-size", "6"])
+    assert (
+        "error: --batch-size must be divisible by the mesh's 8 devices (each holds an equal "
+        "slice), got --batch-size 6, --mesh data=2,fsdp=4" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_data_is_refused_by_line_and_field(base_dir, data_files, tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "c"}])
     with pytest.raises(SystemExit):
