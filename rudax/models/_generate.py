@@ -32,6 +32,9 @@ from rudax.models._sampling import Mode, check_temperature, sample
 __all__ = ["Generation", "generate"]
 
 _MIN_BUCKET = 16
+# The most new tokens a call takes: the budget is rounded up to a power of two, and a
+# position (prompt length + step) must stay an int32.
+MAX_NEW_TOKENS = 2**30
 
 
 class Generation(NamedTuple):
@@ -177,15 +180,16 @@ def generate(
         (``rudax.layers.apply_lora``) or an NF4 base, per-layer or stacked; it is not modified.
       prompts: token ids (ints), one sequence per row (rows may differ in length; each at
         least one token), or an integer ``[B, T]`` array.
-      max_new_tokens: the most tokens to add to each row, >= 1.
+      max_new_tokens: the most tokens to add to each row, 1 to 2**30.
       temperature: 0 for greedy decoding (the argmax, as transformers' ``do_sample=False``);
         otherwise at least float32's smallest normal number (1.1754944e-38) to sample from
         ``softmax(logits / temperature)``.
       top_k: with sampling, keep the k most likely tokens only (None: all).
       top_p: with sampling, keep the most likely tokens whose probability sums to top_p
         (None or 1.0: all).
-      stop_tokens: token ids that end a row (included in its output); None for the model's
-        ``config.eos_token_id``.
+      stop_tokens: token ids that end a row (included in its output): an int or a sequence
+        of ints (NumPy and JAX integers, and 0-d or 1-d integer arrays, too); None for the
+        model's ``config.eos_token_id``.
       rng: a ``jax.random.key`` for sampling; None for ``key(0)``.
       num_samples: G, the continuations of each prompt, an int >= 1 (transformers'
         ``num_return_sequences``).
@@ -226,10 +230,16 @@ def generate(
         )
     config = getattr(model, "config", None)
     rows = _check_prompts(prompts, getattr(config, "vocab_size", None))
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(
+            f"max_new_tokens must be at most 2**30 = {MAX_NEW_TOKENS:,} (the cache holds the "
+            f"next power of two of slots, and positions are int32), got {max_new_tokens:,}"
+        )
     temperature = check_temperature(temperature)
     if top_k is not None and (
         isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1
@@ -247,11 +257,7 @@ def generate(
         raise TypeError(f"return_logprobs must be a bool, got {return_logprobs=!r}")
     if stop_tokens is None:
         stop_tokens = getattr(config, "eos_token_id", None)
-    stops = (
-        []
-        if stop_tokens is None
-        else ([stop_tokens] if isinstance(stop_tokens, int) else list(stop_tokens))
-    )
+    stops = _check_stop_tokens(stop_tokens)
     # -1 matches no token: a fixed-size stop array keeps one program for any stop set size.
     stop_array = jnp.asarray(stops + [-1] * (8 - len(stops) % 8), jnp.int32)
     ids, lengths = _pad(rows)
@@ -317,6 +323,32 @@ def _check_prompts(prompts: Any, vocab: int | None) -> list[list[int]]:
         if bad:
             raise ValueError(f"prompts[{i}] holds token id {bad[0]}, outside [0, {vocab})")
     return rows
+
+
+def _check_stop_tokens(stop_tokens: Any) -> list[int]:
+    """The stop tokens as Python ints: None, an int, or a sequence or array of them (NumPy
+    and JAX integers and 0-d or 1-d integer arrays too); a float or bool is refused."""
+    if stop_tokens is None:
+        return []
+    if isinstance(stop_tokens, np.ndarray | jax.Array | np.generic):
+        array = np.asarray(stop_tokens)
+        if array.dtype.kind not in "iu" or array.ndim > 1:
+            raise TypeError(
+                f"stop_tokens must be an int or a sequence of int token ids, got an array of "
+                f"dtype {array.dtype} and shape {array.shape}"
+            )
+        stop_tokens = array.tolist()
+    values = [stop_tokens] if isinstance(stop_tokens, numbers.Number) else stop_tokens
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(f"stop_tokens must be an int or a sequence of ints, got {stop_tokens!r}")
+    stops = []
+    for t in values:
+        if isinstance(t, bool | np.bool_) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"stop_tokens must hold int token ids, got {t!r} in {stop_tokens!r}")
+        if not 0 <= int(t) < 2**31:
+            raise ValueError(f"stop_tokens must hold token ids in [0, 2**31), got {int(t)}")
+        stops.append(int(t))
+    return stops
 
 
 def _pad(rows: list[list[int]]) -> tuple[jax.Array, jax.Array]:

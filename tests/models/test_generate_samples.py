@@ -234,6 +234,16 @@ def _smallest_normal_temperature_is_greedy():
     assert generate(model, prompts, 12, temperature=tiny, stop_tokens=[]) == greedy
 
 
+def _numpy_stop_tokens_stop_as_ints_do():
+    """Issue 39: stop_tokens=np.int64(2) raised a TypeError (np.int64 is no Python int)."""
+    model, prompts = _tiny(vocab=16), [[1, 2, 3], [4, 5]]
+    t = generate(model, prompts, 12, stop_tokens=[])[0][3]  # the first row's fourth token
+    want = generate(model, prompts, 12, stop_tokens=[t])
+    assert len(want[0]) <= 4
+    for stops in (np.int64(t), np.uint8(t), np.array(t), jnp.asarray(t), np.array([t, 99])):
+        assert generate(model, prompts, 12, stop_tokens=stops) == want, repr(stops)
+
+
 def _model():
     return _tiny()
 
@@ -267,5 +277,18 @@ CASES = [
         lambda: generate(_model(), [[1]], 4, return_logprobs=1), TypeError,
         r"return_logprobs must be a bool, got return_logprobs=1"),
     Holds("temperature-smallest-normal-is-greedy", _smallest_normal_temperature_is_greedy),
+    # issue 39: an OverflowError from jnp.asarray(2**40, int32)
+    Bad("max-new-tokens-2**40", lambda: generate(_model(), [[1]], 2**40), ValueError,
+        r"max_new_tokens must be at most 2\*\*30 = 1,073,741,824 \(the cache holds the next "
+        r"power of two of slots, and positions are int32\), got 1,099,511,627,776"),
+    Holds("stop-tokens-numpy-integers", _numpy_stop_tokens_stop_as_ints_do),
+    Bad("stop-tokens-float", lambda: generate(_model(), [[1]], 4, stop_tokens=[2.0]),
+        TypeError, r"stop_tokens must hold int token ids, got 2\.0 in \[2\.0\]"),
+    Bad("stop-tokens-float-array",
+        lambda: generate(_model(), [[1]], 4, stop_tokens=np.array([2.0])), TypeError,
+        r"stop_tokens must be an int or a sequence of int token ids, got an array of dtype "
+        r"float64 and shape \(1,\)"),
+    Bad("stop-tokens-negative", lambda: generate(_model(), [[1]], 4, stop_tokens=-3),
+        ValueError, r"stop_tokens must hold token ids in \[0, 2\*\*31\), got -3"),
 ]  # fmt: skip
 test_bad_generate_input = catalog(CASES)
