@@ -318,7 +318,50 @@ _double_quantize_jit = jax.jit(_double_quantize, static_argnames=("rounding",))
 _traced_mean = jax.jit(torch_cpu_mean)
 
 
+def _check_layout(q: NF4Tensor) -> None:
+    """A ValueError naming the first field whose shape (or dtype) its ``shape`` and
+    ``block_size`` do not imply: a hand-built NF4Tensor with short scales otherwise fails
+    deep in dequantization with a broadcasting error. Static shapes: checked at trace time."""
+    size = int(np.prod(q.shape))
+    if not isinstance(q.block_size, int) or q.block_size <= 0 or q.block_size % 2:
+        raise ValueError(f"NF4Tensor.block_size must be a positive even int, got {q.block_size!r}")
+    if size == 0 or size % q.block_size:
+        raise ValueError(
+            f"NF4Tensor.shape {q.shape} (size {size}) is not a positive multiple of its "
+            f"block_size={q.block_size}"
+        )
+    n_blocks = size // q.block_size
+    double = q.absmax is None
+    fields = {
+        "codes": (size // 2,),
+        "absmax": None if double else (n_blocks,),
+        "absmax_codes": (n_blocks,) if double else None,
+        "absmax_scales": (-(-n_blocks // ABSMAX_BLOCK_SIZE),) if double else None,
+        "absmax_offset": () if double else None,
+    }
+    for name, expected in fields.items():
+        value = getattr(q, name)
+        if expected is None and value is not None:
+            raise ValueError(
+                f"NF4Tensor.{name} must be None when absmax is "
+                f"{'None (double quantization)' if double else 'set'}; exactly one of absmax "
+                "and absmax_codes/absmax_scales/absmax_offset is set"
+            )
+        if expected is None:
+            continue
+        shape = tuple(getattr(value, "shape", ()) if value is not None else ())
+        if value is None or shape != expected:
+            got = "None" if value is None else f"shape {shape}"
+            raise ValueError(
+                f"NF4Tensor.{name} must have shape {expected} for shape={q.shape} and "
+                f"block_size={q.block_size} ({n_blocks} blocks), got {got}"
+            )
+        if name in ("codes", "absmax_codes") and jnp.dtype(value.dtype) != jnp.uint8:
+            raise ValueError(f"NF4Tensor.{name} must be uint8, got dtype {value.dtype}")
+
+
 def _absmax(q: NF4Tensor) -> jax.Array:
+    _check_layout(q)
     if q.absmax is not None:
         return q.absmax
     assert q.absmax_codes is not None and q.absmax_scales is not None
@@ -362,6 +405,7 @@ def nf4_dequantize(q: NF4Tensor, dtype: jnp.dtype | None = None) -> jax.Array:
     out_dtype = jnp.dtype(q.dtype if dtype is None else dtype)
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {dtype=}")
+    _check_layout(q)  # here too, so the error's traceback is not jit's
     return _dequantize(q, out_dtype)
 
 

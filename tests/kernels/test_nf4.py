@@ -1,5 +1,8 @@
 """NF4 quantization against bitsandbytes (bit for bit) and a plain numpy reference."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -7,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rudax.kernels import NF4Tensor, _dynamic8, _nf4, nf4_dequantize, nf4_quantize
+from rudax.kernels import NF4Tensor, _dynamic8, _nf4, nf4_dequantize, nf4_matmul, nf4_quantize
 from tests._bitsandbytes import bnbf, dequantize_4bit, needs_bitsandbytes
 
 SHAPES = [(128, 64), (256, 96), (64, 4096)]
@@ -455,6 +458,52 @@ def test_chunked_quantization_is_bitwise_the_whole(double_quant, host):
 
 
 # --- bad inputs ------------------------------------------------------------------------
+
+
+# (field, double_quant, the shape it is given, the shape its weight's (64, 512) implies)
+SHORT_FIELDS = [
+    ("codes", True, (16383,), (16384,)),
+    ("absmax", False, (511,), (512,)),
+    ("absmax_codes", True, (256,), (512,)),
+    ("absmax_scales", True, (1,), (2,)),
+    ("absmax_offset", True, (1,), ()),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "double_quant", "given", "expected"), SHORT_FIELDS, ids=[f[0] for f in SHORT_FIELDS]
+)
+def test_a_hand_built_tensor_with_a_wrong_length_field_is_named(
+    field, double_quant, given, expected
+):
+    """Issue 39: an NF4Tensor built by hand with short scales failed in dequantization with a
+    broadcasting error; each use (eager, under jit, through nf4_matmul) names the field."""
+    q = nf4_quantize(jnp.ones((64, 512), jnp.float32), double_quant=double_quant)
+    value = getattr(q, field)
+    bad = dataclasses.replace(q, **{field: jnp.resize(value, given).astype(value.dtype)})
+    message = (
+        rf"NF4Tensor.{field} must have shape {re.escape(str(expected))} for shape=\(64, 512\) "
+        rf"and block_size=64 \(512 blocks\), got shape {re.escape(str(given))}"
+    )
+    with pytest.raises(ValueError, match=message):
+        nf4_dequantize(bad)
+    with pytest.raises(ValueError, match=message):
+        jax.jit(nf4_dequantize)(bad)
+    with pytest.raises(ValueError, match=message):
+        nf4_matmul(jnp.ones((2, 512)), bad, impl="xla")
+
+
+def test_a_hand_built_tensor_with_both_or_no_scales_is_named():
+    q = nf4_quantize(jnp.ones((4, 64), jnp.float32))
+    both = dataclasses.replace(q, absmax=jnp.ones(4), absmax_codes=q.absmax_codes)
+    with pytest.raises(ValueError, match=r"NF4Tensor.absmax_codes must be None when absmax is set"):
+        nf4_dequantize(both)
+    with pytest.raises(
+        ValueError, match=r"NF4Tensor.absmax_codes must have shape \(4,\) .* got None"
+    ):
+        nf4_dequantize(dataclasses.replace(q, absmax_codes=None))
+    with pytest.raises(ValueError, match=r"NF4Tensor.codes must be uint8, got dtype int8"):
+        nf4_dequantize(dataclasses.replace(q, codes=q.codes.astype(jnp.int8)))
 
 
 def test_bad_inputs():
