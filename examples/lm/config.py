@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -389,4 +390,47 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--batch-size must be divisible by the mesh's {devices} devices (each holds an "
             f"equal slice), got --batch-size {args.batch_size}, --mesh {mesh_text(mesh)}"
+        )
+    check_seq_len(args)
+
+
+# Positions are int32 (a row's seq_len + 1 tokens index them).
+MAX_SEQ_LEN = 2**31 - 2
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_seq_len(args: argparse.Namespace) -> None:
+    """--seq-len that no machine of this kind can run, refused before anything is built.
+
+    Issue 39: --seq-len 1000000000 allocated 238 GiB before failing. Whatever the model, a
+    step builds its RoPE table for the row's T positions on the host as it is traced
+    (``rudax.layers.apply_rope``: float64 angles, their cosines and sines, then float32
+    copies): at least the angles and their cosines at once, ``8 * head_dim`` bytes a
+    position. A length whose table alone exceeds this machine's memory is refused.
+    """
+    if args.seq_len > MAX_SEQ_LEN:
+        raise UsageError(
+            f"--seq-len {args.seq_len}: positions are int32, so at most {MAX_SEQ_LEN:,}"
+        )
+    memory = host_memory_bytes()
+    architecture = getattr(args, "architecture", None) or {}
+    head_dim = architecture.get("head_dim") or args.d_model // args.n_heads
+    if memory is None or not head_dim:
+        return
+    per_position = 8 * head_dim
+    if args.seq_len * per_position > memory:
+        gib = 2**30
+        raise UsageError(
+            f"--seq-len {args.seq_len}: the RoPE table of a row is built on the host, at least "
+            f"8 x head_dim = {per_position} bytes a position (float64 angles and their "
+            f"cosines, head_dim {head_dim}): {args.seq_len * per_position / gib:.1f} GiB, more "
+            f"than this machine's {memory / gib:.1f} GiB; the table alone caps --seq-len at "
+            f"{memory // per_position:,} here, and the activations far below that"
         )

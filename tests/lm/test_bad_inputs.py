@@ -24,11 +24,13 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import rudax.checkpoint as rc
+from examples.lm import config as cfg
 from examples.lm import plan, train
 from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError, TokenLoader
@@ -56,6 +58,12 @@ def _env(prepared_corpus, tmp_path_factory):
     yield
     _ENV.clear()
     _trained_run.cache_clear()
+
+
+def _on_a_16_gib_host(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """call(*args, **kwargs) as on a machine of 16 GiB of memory."""
+    with mock.patch.object(cfg, "host_memory_bytes", return_value=16 * 2**30):
+        return call(*args, **kwargs)
 
 
 def _tmp(name: str) -> Path:
@@ -221,6 +229,19 @@ CASES = [
         UsageExit, r"--data-dir \S+ holds a preparation with other settings \(vocab_size: 300 "
         r"there, 280 asked\): choose another --data-dir, or rebuild it with: python -m "
         r"examples\.lm\.prepare --data \S+ --out \S+ --vocab-size 280 --force"),
+    # issue 39: --seq-len 1000000000 allocated 238 GiB (the RoPE table) before failing; the
+    # machine's memory set to 16 GiB, so that the case does not depend on the host's
+    Bad("seq-len-whose-rope-table-exceeds-the-memory",
+        lambda: _on_a_16_gib_host(cli, *_data(), *TINY, "--seq-len", "1000000000"), UsageExit,
+        r"--seq-len 1000000000: the RoPE table of a row is built on the host, at least 8 x "
+        r"head_dim = 128 bytes a position \(float64 angles and their cosines, head_dim 16\): "
+        r"119\.2 GiB, more than this machine's 16\.0 GiB; the table alone caps --seq-len at "
+        r"134,217,728 here"),
+    Bad("plan-seq-len-whose-rope-table-exceeds-the-memory",
+        lambda: _on_a_16_gib_host(cli, *TINY, "--seq-len", "1000000000", main=plan.main),
+        UsageExit, r"--seq-len 1000000000: the RoPE table of a row is built on the host"),
+    Bad("seq-len-past-int32", lambda: cli(*_data(), *TINY, "--seq-len", str(2**31)),
+        UsageExit, r"--seq-len 2147483648: positions are int32, so at most 2,147,483,646"),
     Bad("seq-len-longer-than-the-data", lambda: cli(*_data(), *TINY, "--seq-len", "100000"),
         UsageExit, r"data: seq_len=100000 needs windows of 100001 tokens, but the shards hold"),
     Bad("shard-changed-in-place", lambda: cli(*_data(_shard_changed_in_place()), *TINY),
