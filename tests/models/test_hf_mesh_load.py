@@ -89,7 +89,7 @@ def test_nf4_shards_that_cut_a_block_still_match(tmp_path, monkeypatch):
     folder = _checkpoint(tmp_path, "llama")
     mesh = _mesh((5,), ("fsdp",))
     # and each process's blocks read and quantized 5 at a time (runs of 2**16 on a real model)
-    monkeypatch.setattr("rudax.models._hf_mesh_load._READ_BLOCKS", 5)
+    monkeypatch.setattr("rudax.models._hf_mesh_nf4._READ_BLOCKS", 5)
     want = shard(from_pretrained(folder, quantize="nf4"), rs.ShardingContext(mesh, "fsdp"))
     _assert_same(from_pretrained(folder, quantize="nf4", mesh=mesh), want)
 
