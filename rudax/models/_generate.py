@@ -25,7 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import rudax.sharding as rs
 from rudax.models._kv_cache import KVCache
 from rudax.models._sampling import Mode, check_temperature, sample
 
@@ -73,8 +76,7 @@ def _prefill(
     return jnp.repeat(logits, num_samples, axis=0), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "num_samples", "mode"))
-def _run(
+def _decode(
     graphdef: Any,
     state: Any,
     ids_BxP: jax.Array,
@@ -117,6 +119,33 @@ def _run(
     carry = (jnp.zeros((), jnp.int32), out, logps, done, last, cache, key)
     step, out, logps, _, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return out, logps, step
+
+
+_STATIC = ("graphdef", "steps", "num_samples", "mode")
+_run = jax.jit(_decode, static_argnames=_STATIC)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "mesh", "axis"))
+def _run_fsdp(graphdef: Any, state: Any, *inputs: Any, mesh: Mesh, axis: str, **static: Any) -> Any:
+    """``_decode`` of an FSDP model (``rudax.models.shard``'s form) over its mesh: every
+    device runs the whole decode on the whole (replicated) prompts, each layer's parameters
+    gathered when it is called, as in training. The devices compute the same tokens, so the
+    result is replicated; the work is not split, only the parameters' memory is."""
+    decode = functools.partial(_decode, graphdef, **static)
+    specs = (rs.shard_specs(state, axis), *[P()] * len(inputs))
+    # check_vma off: the gathered parameters are equal on every device, which the all-gather's
+    # type does not say, so the replicated outputs could not be typed as such.
+    run = jax.shard_map(decode, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+    return run(state, *inputs)
+
+
+def _fsdp_placement(model: nnx.Module) -> tuple[Mesh, str] | None:
+    """The mesh and axis of an FSDP model's ``ShardedModule``s; None for a model held whole."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, rs.ShardedModule) and len(node.variables):
+            storage = node.variables[0].get_value().local
+            return storage.sharding.mesh, node.axis_name
+    return None
 
 
 @overload
@@ -178,6 +207,9 @@ def generate(
     Args:
       model: a ``rudax.models`` causal LM (``LlamaForCausalLM``), plain, with LoRA adapters
         (``rudax.layers.apply_lora``) or an NF4 base, per-layer or stacked; it is not modified.
+        An FSDP model (``rudax.models.shard``'s or ``from_pretrained(..., mesh=)``'s form)
+        generates over its mesh, each layer gathered when it runs: every process must make
+        the same call, and each gets the same tokens.
       prompts: token ids (ints), one sequence per row (rows may differ in length; each at
         least one token), or an integer ``[B, T]`` array.
       max_new_tokens: the most tokens to add to each row, 1 to 2**30.
@@ -264,9 +296,7 @@ def generate(
     greedy = temperature == 0.0
     mode = Mode(greedy, not greedy and top_k is not None, not greedy and top_p is not None)
     graphdef, state = nnx.split(model)
-    out, logps, steps = _run(
-        graphdef,
-        state,
+    inputs = (
         ids,
         lengths,
         stop_array,
@@ -275,10 +305,18 @@ def generate(
         jnp.asarray(1.0 if greedy else temperature, jnp.float32),
         jnp.asarray(min(int(top_k or 1), 2**31 - 1), jnp.int32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-        steps=_bucket(max_new_tokens),
-        num_samples=int(num_samples),
-        mode=mode,
     )
+    static = dict(steps=_bucket(max_new_tokens), num_samples=int(num_samples), mode=mode)
+    placement = _fsdp_placement(model)
+    if placement is None:
+        out, logps, steps = _run(graphdef, state, *inputs, **static)
+    else:
+        mesh, axis = placement
+        # Every process passes the same inputs: placed replicated on the whole mesh, as a
+        # multi-process jit takes them.
+        inputs = jax.device_put(inputs, NamedSharding(mesh, P()))
+        out, logps, steps = _run_fsdp(graphdef, state, *inputs, mesh=mesh, axis=axis, **static)
+        out, logps, steps = (x.addressable_data(0) for x in (out, logps, steps))
     n = int(steps)
     tokens, logprobs = [], []
     out_rows, logp_rows = np.asarray(out)[:, :n].tolist(), np.asarray(logps)[:, :n].tolist()
