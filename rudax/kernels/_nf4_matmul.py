@@ -38,7 +38,7 @@ from jax import lax
 from rudax._validation import check_positive_int, check_power_of_two, float_dtype
 from rudax.kernels import _compat, _nf4_matmul_pallas, _platform
 from rudax.kernels._blocks import check_block
-from rudax.kernels._nf4 import NF4Tensor, nf4_dequantize
+from rudax.kernels._nf4 import NF4Tensor, _check_layout, nf4_dequantize
 
 # The kernel computes flat absmax indices (n * K + k) // block_size in int32 when a block may
 # straddle rows; past this many weights that overflows, and such a weight runs the XLA path.
@@ -168,6 +168,9 @@ def _check_arguments(x: Any, q: Any, dtype: Any) -> jnp.dtype:
         raise ValueError(
             f"q must hold a 2-D weight [N, K] (torch's [out, in]), got q.shape={q.shape}"
         )
+    # Before the Pallas path reshapes the codes into blocks, where a wrong length would fail
+    # with a reshape's error instead of naming the field.
+    _check_layout(q)
     if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
             f"x must be a floating jax.Array or numpy array, got {type(x).__name__} with "
