@@ -3,9 +3,12 @@ one process or of several (``jax.distributed``).
 
 - ``data``: the batch's rows are split over it; every device holds the whole model.
 - ``fsdp``: the rows are split over it too, and the model is stored sharded
-  (``rudax.models.shard``): each device holds ``1/F`` of every base weight (the NF4 codes and
-  scales of a QLoRA base), of the adapters and of their AdamW moments, and gathers one layer's
-  weights at a time inside the step; the gradients come back reduce-scattered onto the shards.
+  (``rudax.models.shard``'s form), read straight onto the mesh
+  (``rudax.models.from_pretrained(..., mesh=)``: no process holds the whole base): each device
+  holds ``1/F`` of every base weight (the NF4 codes and scales of a QLoRA base), of the
+  adapters and of their AdamW moments, and gathers one layer's weights at a time inside the
+  step; the gradients come back reduce-scattered onto the shards. Samples are generated over
+  the mesh too (``rudax.models.generate``), and the adapters gathered for the adapter file.
 
 The step is the one-device step inside ``jax.shard_map``: each device computes the summed loss
 of its rows, the sums are added across the mesh and their gradient divided by the counted
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -222,11 +226,52 @@ def gather_into(model: rm.LlamaForCausalLM, sharded: rm.LlamaForCausalLM) -> Non
             layer = layer[key] if isinstance(key, int) else getattr(layer, key)
         flat = dict(nnx.to_flat_state(nnx.state(layer, rl.LoRAParam)))
         for var_path, var in zip(node.paths, node.variables, strict=True):
-            if var_path not in flat:
-                continue  # a base weight: never trained
-            held = var.get_value()
-            storage = multihost_utils.process_allgather(held.local, tiled=True)
-            whole = np.asarray(storage)[..., : held.size]
-            value = whole.reshape(*whole.shape[:-1], *held.logical_shape)
-            target = flat[var_path]
-            target.set_value(jnp.asarray(value, target.get_value().dtype))
+            if var_path in flat:  # else a base weight: never trained
+                _set(flat[var_path], _gathered(var), (*path, *var_path))
+
+
+def whole_adapters(
+    sharded: rm.LlamaForCausalLM, prepare: Callable[[Any], Any]
+) -> rm.LlamaForCausalLM:
+    """A model held whole, on every process, with the adapters of ``sharded`` (read straight
+    onto the mesh, then trained) and no base weights (shapes only): what
+    ``rudax.layers.save_adapter`` reads. ``prepare`` put the adapters on ``sharded``; it
+    puts them on this model too. Its layers are one module each, as peft names them: a
+    stacked adapter is split into the layers'."""
+    model = nnx.eval_shape(lambda: _prepared(sharded.config, prepare))
+    targets = dict(nnx.to_flat_state(nnx.state(model, rl.LoRAParam)))
+    for path, node in nnx.iter_graph(sharded):
+        if not isinstance(node, rs.ShardedModule):
+            continue
+        for var_path, var in zip(node.paths, node.variables, strict=True):
+            if not isinstance(var, rl.LoRAParam):
+                continue
+            value, where = _gathered(var), (*path, *var_path)
+            if not sharded.scan_layers:
+                _set(targets[where], value, where)
+                continue
+            for i, layer in enumerate(value):  # (model, layers, *rest) -> (model, layers, i, *rest)
+                each = (*where[:2], i, *where[2:])
+                _set(targets[each], layer, each)
+    return model
+
+
+def _prepared(config: rm.LlamaConfig, prepare: Callable[[Any], Any]) -> rm.LlamaForCausalLM:
+    model = rm.LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    prepare(model)
+    return model
+
+
+def _gathered(var: nnx.Variable) -> np.ndarray:
+    """A ``ShardedParameter``'s logical value, whole, on every process (a stack: (L, ...))."""
+    held = var.get_value()
+    storage = multihost_utils.process_allgather(held.local, tiled=True)
+    whole = np.asarray(storage)[..., : held.size]
+    return whole.reshape(*whole.shape[:-1], *held.logical_shape)
+
+
+def _set(target: nnx.Variable, value: np.ndarray, path: tuple[Any, ...]) -> None:
+    want = target.get_value()
+    if tuple(want.shape) != value.shape:
+        raise ValueError(f"{path}: a gathered adapter of shape {value.shape}, not {want.shape}")
+    target.set_value(jnp.asarray(value, want.dtype))

@@ -24,9 +24,10 @@ The run, top to bottom:
   ``LlamaForCausalLM`` (module paths are Hugging Face's names), with ``--quantize nf4``
   quantizing each attention and MLP projection as it is read (``rudax.layers.NF4Linear``,
   its 8-bit absmax codes rounded as ``--absmax-rounding`` says);
-  ``rudax.layers.apply_lora`` puts rank ``--rank`` adapters on ``--targets`` (fp32). The
-  base's identity is the SHA-256 of its config.json and of the model as loaded (every
-  leaf's path, dtype, shape and bytes).
+  ``rudax.layers.apply_lora`` puts rank ``--rank`` adapters on ``--targets`` (fp32). Over a
+  mesh with ``fsdp`` the base is read straight onto it, adapters included
+  (``examples/finetune/base.py``). The base's identity is the SHA-256 of its config.json
+  and of its safetensors files.
 - samples: a greedy completion of the first validation prompt (``rudax.models.generate``)
   before the first update and after the last, ``--sample-tokens`` tokens at most.
 - step: ``rudax.models.causal_lm_loss_sum`` (``rudax.kernels.linear_cross_entropy`` over the
@@ -53,7 +54,6 @@ The run, top to bottom:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -78,6 +78,7 @@ import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
+from examples.finetune import base as base_
 from examples.finetune import instructions
 from examples.finetune import mesh as mesh_
 from examples.finetune.cli import HelpFormatter, UsageError, given_flags
@@ -311,34 +312,48 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     # --------------------------------------------------------------------------- model
     quantize = None if args.quantize == "none" else args.quantize
     param_dtype, dtype = DTYPES[args.param_dtype], DTYPES[args.dtype]
+    load_kw = dict(
+        param_dtype=param_dtype,
+        dtype=dtype,
+        quantize=quantize,
+        absmax_rounding=args.absmax_rounding,
+    )
+    adapted: list[str] = []
+
+    def add_adapters(m: rm.LlamaForCausalLM) -> None:
+        try:
+            adapted[:] = rl.apply_lora(
+                m,
+                args.targets,
+                rank=args.rank,
+                alpha=args.alpha,
+                dropout=args.dropout,
+                rngs=nnx.Rngs(args.seed),
+            )
+        except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
+            raise UsageError(f"--targets {','.join(args.targets)}: {e}") from e
+
+    # A run started before the files' digest checks the model's, which needs it whole.
+    legacy = base_.legacy_run(run_dir, args.resume)
+    digests: list[str] = []
     try:
-        model = rm.from_pretrained(
+        model, trained = base_.load(
             base_dir,
-            param_dtype=param_dtype,
-            dtype=dtype,
-            quantize=quantize,
-            absmax_rounding=args.absmax_rounding,
+            None if legacy else mesh,
+            add_adapters,
+            loaded=(lambda m: digests.append(base_.model_digest(hf_config, m))) if legacy else None,
+            scan_layers=args.scan_layers,
+            **load_kw,
         )
     except ValueError as e:
         raise UsageError(f"--base {base_dir}: {e}") from e
-    model.remat = args.remat  # read when the model is called: how it runs, not what it stores
-    base_digest, n_base = _base_identity(hf_config, model)
-    try:
-        adapted = rl.apply_lora(
-            model,
-            args.targets,
-            rank=args.rank,
-            alpha=args.alpha,
-            dropout=args.dropout,
-            rngs=nnx.Rngs(args.seed),
-        )
-    except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
-        raise UsageError(f"--targets {','.join(args.targets)}: {e}") from e
-    # Stacked once, after the adapters are on: the scan then reads the layers as stored.
-    model.scan_layers = args.scan_layers
-    # Over a mesh with fsdp, the model the step holds is sharded; `model` keeps the whole one
-    # (its arrays shared until sharded) for sampling and for the adapter file.
-    trained = model if mesh is None else mesh_.shard(model, mesh)
+    base_digest = digests[0] if legacy else base_.files_digest(base_dir, hf_config)
+    n_base = base_.parameter_count(trained.config)
+    # Over a mesh with fsdp, the model the step holds is sharded; `model`, if the base was
+    # loaded whole (a legacy run), keeps the whole one for sampling and the adapter file.
+    if mesh is not None and model is not None and "fsdp" in mesh.axis_names:
+        trained = mesh_.shard(model, mesh)
+    trained.remat = args.remat  # read when the model is called: how it runs, not what it stores
     trained.eval()
     eval_def = nnx.graphdef(trained)  # dropout off
     trained.train()
@@ -384,7 +399,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
     # --------------------------------------------------------------------------- checkpoint
     identity = {
-        "base_sha256": base_digest,
+        **base_.identity(base_digest, legacy),
         "data_identity": _identity(train_data),
         "val_data_identity": None if val_data is None else _identity(val_data),
     }
@@ -425,8 +440,12 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
     samples: dict[int, str] = {}
     sample_data = train_data if val_data is None else val_data
-    if step == 0 and args.sample_tokens and primary:
-        samples[0] = _sample(model, tokenizer, sample_data, args.sample_tokens, "before training")
+    # The model held whole samples on process 0 alone; one read onto the mesh samples over
+    # it, every process taking part.
+    sampler = trained if model is None else model
+    sampling = args.sample_tokens and (primary or model is None)
+    if step == 0 and sampling:
+        samples[0] = _sample(sampler, tokenizer, sample_data, args.sample_tokens, "before training")
 
     # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
@@ -532,22 +551,31 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         say(f"stopped at update {step} of {args.steps}; continue with --resume --run-dir {run_dir}")
         return result
     nnx.update(trained, adapters, rngs)
-    if mesh is not None:
+    if mesh is not None and model is not None:
         mesh_.gather_into(model, trained)  # the adapters whole, on every process
-    if args.sample_tokens and primary:
-        samples[step] = _sample(model, tokenizer, sample_data, args.sample_tokens, f"update {step}")
-    model.eval()
-    model.scan_layers = False  # peft's files name each layer's adapters (converted in place)
+    if sampling:
+        when = f"update {step}"
+        samples[step] = _sample(sampler, tokenizer, sample_data, args.sample_tokens, when)
+    if model is None:  # read onto the mesh: the adapters gathered into a model of no weights
+        saver = mesh_.whole_adapters(trained, add_adapters)
+    else:
+        saver = model
+        model.scan_layers = False  # peft's files name each layer's adapters (converted in place)
+    sampler.eval()
     out = _adapter_dir(args, run_dir)
     if not primary:  # process 0 writes the adapter (and the merged model)
-        return result | {"adapter": str(out), "model": model}
-    rl.save_adapter(model, out, base_model_name_or_path=str(base_dir))
+        return result | {"adapter": str(out), "model": sampler}
+    rl.save_adapter(saver, out, base_model_name_or_path=str(base_dir))
     # How the base was held, for examples.generate to load it so (a QLoRA adapter on the
     # unquantized base computes another function); peft reads only its own two files.
     held = {k: getattr(args, k) for k in ("quantize", "param_dtype", "dtype", "absmax_rounding")}
     (out / "rudax_base.json").write_text(json.dumps(held, indent=1) + "\n")
     if args.merged:
-        merged = nnx.clone(model)  # the returned model keeps its adapters
+        if model is None:  # the base whole, only now, with the trained adapters on
+            _, merged = base_.load(base_dir, None, add_adapters, scan_layers=False, **load_kw)
+            nnx.update(merged, nnx.state(saver, rl.LoRAParam))
+        else:
+            merged = nnx.clone(model)  # the returned model keeps its adapters
         rl.merge_lora(merged)
         rm.save_pretrained(merged, args.merged, tokenizer=base_dir)
         print(f"merged model: {args.merged} (a Hugging Face checkpoint)")
@@ -558,7 +586,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         f"\nmetrics: {log.path}\nloss curve: {plot}\nadapter: {out} "
         f"(peft.PeftModel.from_pretrained(<{base_dir}'s model>, it))"
     )
-    return result | {"adapter": str(out), "model": model}
+    return result | {"adapter": str(out), "model": sampler}
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -607,7 +635,9 @@ def _count_tokens(segment_ids: jax.Array) -> jax.Array:
 def _sample(
     model: rm.LlamaForCausalLM, tokenizer: BaseTokenizer, data: FinetuneData, n: int, when: str
 ) -> str:
-    """Prints and returns the model's greedy completion (dropout off) of data's first prompt."""
+    """Returns the model's greedy completion (dropout off) of data's first prompt; process 0
+    prints it. A model held whole is called on process 0 alone; one sharded over the mesh by
+    every process."""
     prompt = data.prompt(0).tolist()
     model.eval()
     # The data's eos and every eos id of the base's config.json (Llama 3 lists its turn's end).
@@ -618,7 +648,8 @@ def _sample(
     # Special tokens shown: a chat template's markers and the eos are what it learns to write.
     decode = lambda ids: tokenizer.tokenizer.decode(ids, skip_special_tokens=False)
     text = decode(ids)
-    print(f"sample, {when}: {decode(prompt)!r} -> {text!r}")
+    if jax.process_index() == 0:
+        print(f"sample, {when}: {decode(prompt)!r} -> {text!r}")
     return text
 
 
@@ -760,18 +791,6 @@ def _is_hf_dir(path: Path) -> bool:
     return isinstance(config, dict) and "model_type" in config
 
 
-def _base_identity(hf_config: dict[str, Any], model: rm.LlamaForCausalLM) -> tuple[str, int]:
-    """The base's SHA-256 (its config.json, then every leaf of the model as loaded: path,
-    dtype, shape, bytes) and its parameter count (an NF4 weight counts its elements)."""
-    digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode())
-    for path, leaf in jax.tree.leaves_with_path(nnx.state(model)):
-        array = np.asarray(leaf)
-        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype.name}:{array.shape};".encode())
-        digest.update(np.ascontiguousarray(array).view(np.uint8).data)
-    shapes = nnx.eval_shape(lambda: rm.LlamaForCausalLM(model.config, rngs=nnx.Rngs(0)))
-    return digest.hexdigest(), sum(x.size for x in jax.tree.leaves(nnx.state(shapes)))
-
-
 def _data_paths(args: argparse.Namespace) -> tuple[Path, Path | None, bool]:
     """(train, val, generated): --data/--val-data, or the standard-library set, made once."""
     if args.data is not None:
@@ -796,7 +815,7 @@ def _check_identity(run_dir: Path, identity: dict[str, Any]) -> None:
     saved = json.loads((run_dir / "config.json").read_text())
     if saved.get("base_sha256") != identity["base_sha256"]:
         raise UsageError(
-            f"--resume: the run was tuned on a base whose tensors hash to "
+            f"--resume: the run was tuned on a base that hashes to "
             f"{saved.get('base_sha256')} ({saved.get('base')}); this base hashes to "
             f"{identity['base_sha256']}: a different model"
         )

@@ -106,3 +106,58 @@ def test_two_data_parallel_processes_sample_and_save_after_training(base_dir, da
     assert code == 0, out
     assert "[0] update 2" in out and "[1] update 2" not in out
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_fsdp_reads_the_base_onto_the_mesh_samples_over_it_and_merges(
+    base_dir, data_files, tmp_path, monkeypatch
+):
+    # The base is read straight onto the mesh (rudax.models.from_pretrained(..., mesh=)): no
+    # process holds it whole while training. The greedy sample before training, generated
+    # over the mesh, is the one-device run's; the adapter and the merged model (the base read
+    # whole only for the merge, at the end) are the one-device run's within rounding.
+    from examples.finetune import base as base_
+
+    extra = ("--steps", "2", "--sample-tokens", "6")
+    want = main(_flags(base_dir, data_files, tmp_path / "one", *extra, "--merged",
+                       str(tmp_path / "one_merged")))  # fmt: skip
+    calls = []
+    real = base_.rm.from_pretrained
+    monkeypatch.setattr(
+        base_.rm, "from_pretrained", lambda *a, **kw: calls.append(kw.get("mesh")) or real(*a, **kw)
+    )
+    flags = _flags(base_dir, data_files, tmp_path / "run", *extra, "--mesh", "data=2,fsdp=4")
+    got = main([*flags, "--merged", str(tmp_path / "merged")])
+    assert isinstance(calls[0], jax.sharding.Mesh) and calls[1:] == [None]  # the merge's
+    assert got["samples"][0] == want["samples"][0]
+    assert set(got["samples"]) == {0, 2}
+    for name in ("one", "run"):
+        assert (tmp_path / name / "adapter" / "rudax_base.json").exists()
+    ref, out = rl_state(Path(want["adapter"])), rl_state(Path(got["adapter"]))
+    assert out.keys() == ref.keys()
+    for k in ref:
+        np.testing.assert_allclose(out[k], ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    from safetensors.numpy import load_file
+
+    ref = load_file(str(tmp_path / "one_merged" / "model.safetensors"))
+    out = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert out.keys() == ref.keys()
+    for k in ref:
+        # adapters equal within fp32 rounding, then the sum rounded to the stored dtype: at
+        # most one unit in its last place apart (bf16's unit is float32's times 2**16)
+        assert out[k].dtype == ref[k].dtype, k
+        a, b = out[k].astype(np.float32), ref[k].astype(np.float32)
+        unit = np.spacing(np.abs(b)) * (2**16 if ref[k].dtype.name == "bfloat16" else 1)
+        assert np.all(np.abs(a - b) <= unit), k
+
+
+def test_two_fsdp_processes_sample_over_the_mesh_and_save_the_adapter(
+    base_dir, data_files, tmp_path
+):
+    # every process takes part in generating over the mesh; process 0 alone prints and writes
+    flags = _flags(base_dir, data_files, tmp_path / "run", "--mesh", "data=2,fsdp=4")
+    code, out = _launch(2, [*flags, "--steps", "2", "--sample-tokens", "4"])
+    assert code == 0, out
+    assert "[0] sample, before training" in out and "[1] sample" not in out
+    assert "[0] sample, update 2" in out
+    state = rl_state(tmp_path / "run" / "adapter")
+    assert len(state) == 2 * 2 * 7  # A and B of the 7 projections of 2 layers

@@ -324,7 +324,7 @@ def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):
     (base / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-2}))
     with pytest.raises(SystemExit):
         main(["--resume", "--run-dir", str(run_dir)])
-    assert "--resume: the run was tuned on a base whose tensors hash to" in capsys.readouterr().err
+    assert "--resume: the run was tuned on a base that hashes to" in capsys.readouterr().err
     (base / "config.json").write_text(json.dumps(config))
     tensors = load_file(base / "model.safetensors")
     key = "model.layers.1.mlp.up_proj.weight"
@@ -333,8 +333,38 @@ def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--resume", "--run-dir", str(run_dir)])
     err = capsys.readouterr().err
-    assert "--resume: the run was tuned on a base whose tensors hash to" in err
+    assert "--resume: the run was tuned on a base that hashes to" in err
     assert "a different model" in err
+
+
+def test_a_run_that_recorded_the_models_digest_resumes_and_still_refuses_a_changed_base(
+    base_dir, data_files, tmp_path, capsys, monkeypatch
+):
+    # Runs started before the files' digest recorded the model's (examples/finetune/base.py):
+    # simulated by that session's choice, their config.json has no "base_digest".
+    from examples.finetune import base as base_
+
+    base = tmp_path / "base"
+    shutil.copytree(base_dir, base)
+    run_dir, flags = tmp_path / "run", ("--steps", "2", "--warmup", "1")
+    with monkeypatch.context() as m:
+        m.setattr(base_, "legacy_run", lambda run_dir, resume: True)
+        main(_flags(base, data_files, run_dir, *flags, "--stop-at", "1"))
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert "base_digest" not in saved and len(saved["base_sha256"]) == 64
+    want = main(_flags(base_dir, data_files, tmp_path / "straight", *flags))
+    got = main(["--resume", "--run-dir", str(run_dir)])
+    assert got["step"] == 2 and got["loss"] == want["loss"]
+    assert json.loads((run_dir / "config.json").read_text())["base_sha256"] == saved["base_sha256"]
+    # the legacy digest is still checked: a changed tensor is refused
+    tensors = load_file(base / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj.weight"
+    tensors[key] = tensors[key] * np.float32(1.01)
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--resume", "--run-dir", str(run_dir), "--steps", "2"])
+    assert "--resume: the run was tuned on a base that hashes to" in capsys.readouterr().err
 
 
 def test_resume_before_any_checkpoint_starts_over_and_a_moved_base_is_found(
