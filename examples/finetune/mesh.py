@@ -95,8 +95,28 @@ def specs(tree: Any, mesh: Mesh) -> Any:
 
 
 def place(tree: Any, mesh: Mesh) -> Any:
-    """``tree``'s arrays on the mesh as ``specs`` says."""
-    return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh)))
+    """``tree``'s arrays on the mesh as ``specs`` says. A value every process holds whole (the
+    model loaded whole on each, its dropout keys) becomes one array replicated over every
+    process's devices: ``device_put`` refuses a committed array onto devices of other
+    processes."""
+
+    def put(x: Any, sharding: NamedSharding) -> Any:
+        if not (
+            isinstance(x, jax.Array)
+            and x.is_fully_addressable
+            and not sharding.is_fully_addressable
+            and sharding.spec == P()
+        ):
+            return jax.device_put(x, sharding)
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys have no host form
+            data = jax.make_array_from_process_local_data(
+                sharding, np.asarray(jax.random.key_data(x))
+            )
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh))
+    return jax.tree.map(put, tree, shardings)
 
 
 def own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
