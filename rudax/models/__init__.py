@@ -26,7 +26,7 @@ from rudax.models._generate import Generation as Generation
 from rudax.models._generate import generate as generate
 from rudax.models._hf_files import from_pretrained as from_pretrained
 from rudax.models._hf_files import open_checkpoint as open_checkpoint
-from rudax.models._hf_files import save_pretrained as save_pretrained
+from rudax.models._hf_save import save_pretrained as save_pretrained
 from rudax.models._kv_cache import KVCache as KVCache
 from rudax.models._llama import LlamaForCausalLM as LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig as LlamaConfig
