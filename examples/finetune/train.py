@@ -5,8 +5,8 @@ adapter out (and, with ``--merged``, the tuned model).
     python -m examples.finetune                          # QLoRA on it: a PEFT adapter out
     python -m examples.finetune --base <HF dir> --data train.jsonl --val-data val.jsonl
     python -m examples.finetune --base <HF dir> --data notes.txt --quantize none --merged out
-    python -m examples.finetune --name a --stop-at 20    # ... later, in a fresh process:
-    python -m examples.finetune --name a --resume        # continues bit for bit
+    python -m examples.finetune --name qa --stop-at 20   # ... later, in a fresh process:
+    python -m examples.finetune --name qa --resume       # continues bit for bit
 
 With no ``--base`` it tunes ``hf/base``, exporting ``runs/base`` (the main job's run) there
 first if need be; with no ``--data``, a prompt/completion set made from the standard
@@ -257,6 +257,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     if args.resume:
         args = _run_flags(args, run_dir, given)
     elif (run_dir / "config.json").exists():
+        _check_finetune_run(run_dir)
         raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
     _check_flags(args, run_dir)
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
@@ -683,6 +684,7 @@ def _run_flags(
         saved = json.loads((run_dir / "config.json").read_text())
     except FileNotFoundError:
         raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
+    _check_finetune_run(run_dir)
     defaults = vars(build_parser().parse_args([]))
     if given is None:
         given = {k for k, v in vars(args).items() if v != defaults.get(k)}
@@ -697,6 +699,21 @@ def _run_flags(
     merged |= {k: getattr(args, k) for k in SESSION_FLAGS}
     merged |= {k: getattr(args, k) for k in PLACES if k in given}
     return argparse.Namespace(**merged)
+
+
+def _check_finetune_run(run_dir: Path) -> None:
+    """A run directory of another program (``examples.lm.train``'s, which shares ``runs/``)
+    is named as such: neither continued nor overwritten."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except ValueError:
+        saved = None
+    if not (isinstance(saved, dict) and {"targets", "rank", "base_sha256"} <= saved.keys()):
+        raise UsageError(
+            f"{run_dir} holds a run that is not a fine-tuning run (its config.json has no "
+            "targets, rank or base digest: examples.lm.train's, say, which also writes to "
+            "runs/): give this run another --name or --run-dir"
+        )
 
 
 def _check_flags(args: argparse.Namespace, run_dir: Path) -> None:

@@ -240,7 +240,8 @@ def test_readme_stop_and_resume_with_the_default_base(data_files, tmp_path_facto
     assert main(first)["step"] == 20
     result = main(then)
     assert result["step"] == 40
-    assert [s for s, *_ in _train_rows(cwd / "runs" / "a")] == list(range(1, 41))
+    name = first[first.index("--name") + 1]  # the README's run name
+    assert [s for s, *_ in _train_rows(cwd / "runs" / name)] == list(range(1, 41))
 
 
 def test_readme_lora_and_merged_command(data_files, tmp_path_factory, monkeypatch):
@@ -335,6 +336,27 @@ def test_resume_refuses_a_changed_base(base_dir, data_files, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--resume: the run was tuned on a base that hashes to" in err
     assert "a different model" in err
+
+
+def test_a_trainer_run_of_the_same_name_is_named_and_left_as_it_was(
+    base_dir, data_files, tmp_path, capsys
+):
+    # Issue 40: the README named a trainer run and a fine-tuning run both `--name a`, both
+    # under runs/; the fine-tuner's hint led to "a base that hashes to None (None)".
+    run_dir = tmp_path / "a"
+    run_dir.mkdir()
+    trainer_config = '{"steps": 200, "seq_len": 128, "model": "gpt"}\n'
+    (run_dir / "config.json").write_text(trainer_config)
+    flags = _flags(base_dir, data_files, run_dir, "--steps", "1")
+    for extra in ([], ["--resume"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main([*flags, *extra])
+        err = capsys.readouterr().err
+        assert f"{run_dir} holds a run that is not a fine-tuning run" in err, extra
+        assert "give this run another --name or --run-dir" in err
+    assert (run_dir / "config.json").read_text() == trainer_config
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json"]
 
 
 def test_a_run_that_recorded_the_models_digest_resumes_and_still_refuses_a_changed_base(
