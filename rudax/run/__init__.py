@@ -7,6 +7,8 @@ file reads as one run; ``read_metrics`` reads it back and ``plot_losses`` draws 
 anything: a non-finite loss, or non-finite weights about to be checkpointed (named by their
 pytree path). ``retain_freed_memory`` keeps XLA:CPU's per-step scratch memory mapped instead
 of faulting it in again each step (``MALLOC_ENV``: the same for a child process).
+``Interruptions`` turns Ctrl-C and a preemption's SIGTERM into a request the loop answers
+after its current update: save, then stop as ``--stop-at`` does (agreed by every process).
 
 ``python -m rudax.run.launch --processes N [--cpu-devices K] -- COMMAND`` runs a command as N
 ``jax.distributed`` processes on this machine (``rudax.run.launch.launch`` from Python), their
@@ -27,6 +29,7 @@ from rudax.run._halt import check_finite as check_finite
 from rudax.run._halt import check_loss as check_loss
 from rudax.run._host_memory import MALLOC_ENV as MALLOC_ENV
 from rudax.run._host_memory import retain_freed_memory as retain_freed_memory
+from rudax.run._interrupt import Interruptions as Interruptions
 from rudax.run._metrics import MetricsLog as MetricsLog
 from rudax.run._metrics import plot_losses as plot_losses
 from rudax.run._metrics import read_metrics as read_metrics
@@ -34,6 +37,7 @@ from rudax.run._metrics import read_metrics as read_metrics
 __all__ = [
     "MALLOC_ENV",
     "DistributedError",
+    "Interruptions",
     "MetricsLog",
     "TrainingHalted",
     "add_distributed_flags",

@@ -39,8 +39,11 @@ Stopping is SIGTERM to each child's process group (each child runs in its own, s
 subprocesses go too), then SIGKILL after ``--grace`` seconds. A process that called
 ``jax.distributed.initialize`` does not stop at SIGTERM: jax takes it as a preemption notice
 (a program may checkpoint then, at ``multihost_utils.reached_preemption_sync_point``), so such
-a process ends at the SIGKILL. Ctrl-C, SIGTERM or SIGHUP to the launcher is forwarded the same
-way, a second one kills at once, and the launcher exits ``128 + signal``. ``--timeout`` stops
+a process ends at the SIGKILL. Ctrl-C, SIGTERM or SIGHUP to the launcher is passed to every
+process group as it is, and the launcher waits for them to exit by themselves, however long
+that takes: rudax's programs (``rudax.run.Interruptions``) finish the update in flight, save
+it on every process and exit. A second signal kills them at once. The launcher then exits
+``128 + signal``. ``--timeout`` stops
 everything after that many seconds and exits 124. All children exiting 0: exit 0. A command
 that cannot be started: 127 (not found) or 126 (not executable). POSIX only (process groups).
 
@@ -374,6 +377,32 @@ def launch(
             c.proc.wait()
         drain(children, _DRAIN_SECONDS)  # what they wrote before they went
 
+    def interrupt(sig: int) -> None:
+        """Passes ``sig`` on and waits for every process to exit by itself (a training
+        program finishes its update and saves); a second signal kills them at once."""
+        running = [c for c in children if c.proc.poll() is None]
+        name = signal.Signals(sig).name
+        if running:
+            ranks = ", ".join(str(c.rank) for c in running)
+            report(
+                f"received {name}; passed to rank{'s' if len(running) > 1 else ''} {ranks}, "
+                f"waiting for them to exit ({name} again stops them at once)"
+            )
+        for c in children:
+            c.signal_group(sig)
+        asked = len(received)
+        while any(c.proc.poll() is None for c in children) and len(received) == asked:
+            pump(0.05)
+        late = [c for c in children if c.proc.poll() is None]
+        for c in children:
+            c.signal_group(signal.SIGKILL)
+        if late:
+            ranks = ", ".join(str(c.rank) for c in late)
+            report(f"received {signal.Signals(received[-1]).name} again: killed rank(s) {ranks}")
+        for c in children:
+            c.proc.wait()
+        drain(children, _DRAIN_SECONDS)
+
     try:
         width = len(str(processes - 1))
         for rank in range(processes):
@@ -412,9 +441,8 @@ def launch(
                 drain(children, _DRAIN_SECONDS)
                 return 0
             if received:
-                sig = received[0]
-                stop(sig, f"received {signal.Signals(sig).name}")
-                return 128 + sig
+                interrupt(received[0])
+                return 128 + received[0]
             if deadline is not None and time.monotonic() >= deadline:
                 stop(signal.SIGTERM, f"timed out after {timeout:g} s")
                 return TIMEOUT_STATUS

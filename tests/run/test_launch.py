@@ -266,40 +266,71 @@ def test_timeout_stops_everything_with_status_124(tmp_path):
     assert_gone(pids_in(tmp_path))
 
 
-def test_ctrl_c_to_the_launcher_stops_every_process(tmp_path):
-    code = sleeper_code("time.sleep(60)")
+def _launcher_of_sleepers(tmp_path: Path, code: str, grace: str) -> subprocess.Popen:
+    """`python -m rudax.run.launch` of 2 sleepers, returned once every process has started."""
+    launch = [PY, "-m", "rudax.run.launch", "--processes", "2", "--grace", grace, "--"]
     launcher = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "rudax.run.launch",
-            "--processes",
-            "2",
-            "--grace",
-            "1",
-            "--",
-            PY,
-            "-c",
-            code,
-            str(tmp_path),
-            "2",
-        ],
+        [*launch, PY, "-c", code, str(tmp_path), "2"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    deadline = time.monotonic() + 30  # every process started (the launcher imports jax first)
+    while len(pids_in(tmp_path)) < 3 and launcher.poll() is None:
+        if time.monotonic() > deadline:
+            launcher.kill()
+            raise AssertionError("the processes did not start")
+        time.sleep(0.05)
+    return launcher
+
+
+def test_ctrl_c_to_the_launcher_stops_every_process(tmp_path):
+    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)"), "1")
     try:
-        deadline = time.monotonic() + 30  # every process started (the launcher imports jax first)
-        while len(pids_in(tmp_path)) < 3 and launcher.poll() is None:
-            assert time.monotonic() < deadline, "the processes did not start"
-            time.sleep(0.05)
         launcher.send_signal(signal.SIGINT)
         _, err = launcher.communicate(timeout=10)
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGINT
-    assert "[launch] received SIGINT; stopping ranks 0, 1" in err
+    assert "[launch] received SIGINT; passed to ranks 0, 1, waiting for them to exit" in err
+    assert_gone(pids_in(tmp_path))
+
+
+def test_processes_interrupted_take_the_time_they_need_to_save(tmp_path):
+    # As rudax's programs do at Ctrl-C: finish the update and save (here 2 s, past --grace).
+    setup = (
+        "signal.signal(signal.SIGINT, lambda *a: (time.sleep(2), print('saved', flush=True), "
+        "os._exit(130)))"
+    )
+    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)", setup), "0.5")
+    try:
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=20)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert sorted(line for line in out.splitlines() if "saved" in line) == [
+        "[0] saved",
+        "[1] saved",
+    ], (out, err)
+    assert "killed" not in err
+    assert_gone(pids_in(tmp_path))
+
+
+def test_a_second_ctrl_c_kills_processes_that_do_not_stop(tmp_path):
+    setup = "signal.signal(signal.SIGINT, signal.SIG_IGN)"  # inherited by `sleep` too
+    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)", setup), "0.5")
+    try:
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(1)  # past --grace: still waiting
+        assert launcher.poll() is None
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=10)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert "[launch] received SIGINT again: killed rank(s) 0, 1" in err
     assert_gone(pids_in(tmp_path))
 
 
