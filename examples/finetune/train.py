@@ -58,6 +58,7 @@ import json
 import math
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -223,7 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the program; returns what it reports (for tests)."""
+    """Runs the program; returns what it reports (for tests).
+
+    Ctrl-C or SIGTERM (a preemption) mid-run lets the update in flight finish and
+    checkpoints it, prints the ``--resume`` line as ``--stop-at`` does, and exits with 128 +
+    the signal's number (130, 143); a second Ctrl-C stops at once.
+    """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -231,12 +237,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with rr.fail_fast():
         try:
             with jax.numpy_dtype_promotion("strict"):
-                return finetune(args, given_flags(parser, argv))
+                summary = finetune(args, given_flags(parser, argv))
         except UsageError as e:
             parser.error(str(e))
         except rr.TrainingHalted as e:
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None
+    if summary.get("interrupted"):  # saved, and the status says it did not finish: 128 + N
+        # as shells report a signal (another process's preemption notice: SIGTERM's)
+        raise SystemExit(128 + getattr(signal, summary["interrupted"], signal.SIGTERM))
+    return summary
 
 
 def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[str, Any]:
@@ -472,64 +482,70 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True, disable=not primary)
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
     clock, timed = None, 0
-    try:
-        while step < stop:
-            step += 1
-            window, real = [], 0
-            for a in range(args.grad_accum):
-                # this process's rows of the batch (all of them on one process)
-                batch = put(
-                    train_data.batch(
-                        (step - 1) * args.grad_accum + a,
-                        shard=jax.process_index(),
-                        num_shards=jax.process_count(),
+    # Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the
+    # run ends as --stop-at ends it (every process after the same update).
+    with rr.Interruptions() as interrupt:
+        try:
+            while step < stop:
+                step += 1
+                window, real = [], 0
+                for a in range(args.grad_accum):
+                    # this process's rows of the batch (all of them on one process)
+                    batch = put(
+                        train_data.batch(
+                            (step - 1) * args.grad_accum + a,
+                            shard=jax.process_index(),
+                            num_shards=jax.process_count(),
+                        )
                     )
+                    real += real_tokens(batch)  # tokens, not padding
+                    acc, rngs, m = micro(adapters, rngs, acc, base, batch)
+                    window.append(m)
+                adapters, opt_state, acc, norm = apply(adapters, opt_state, acc)
+                window, norm = jax.device_get((window, norm))  # waits for the update
+                counted = sum(int(m["tokens"]) for m in window)
+                loss = sum(float(m["ce_sum"]) for m in window) / max(1, counted)
+                rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
+                if clock is None:  # the first update compiled the steps: time from its end
+                    clock = time.perf_counter()
+                else:
+                    timed += real
+                rate = timed / (time.perf_counter() - clock) if timed else None
+                last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                bar.update(1)
+                log.write(
+                    kind="train",
+                    step=step,
+                    loss=loss,
+                    lr=float(schedule(step - 1)),
+                    grad_norm=float(norm),
+                    counted_tokens=counted,
+                    tokens_per_s=rate,
                 )
-                real += real_tokens(batch)  # tokens, not padding
-                acc, rngs, m = micro(adapters, rngs, acc, base, batch)
-                window.append(m)
-            adapters, opt_state, acc, norm = apply(adapters, opt_state, acc)
-            window, norm = jax.device_get((window, norm))  # waits for the update
-            counted = sum(int(m["tokens"]) for m in window)
-            loss = sum(float(m["ce_sum"]) for m in window) / max(1, counted)
-            rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
-            if clock is None:  # the first update compiled the steps: time from its end
-                clock = time.perf_counter()
-            else:
-                timed += real
-            rate = timed / (time.perf_counter() - clock) if timed else None
-            last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            bar.update(1)
-            log.write(
-                kind="train",
-                step=step,
-                loss=loss,
-                lr=float(schedule(step - 1)),
-                grad_norm=float(norm),
-                counted_tokens=counted,
-                tokens_per_s=rate,
-            )
-            paused = False
-            if step % args.eval_every == 0 or step == args.steps:
-                last["val_loss"] = val_loss()
-                log.write(kind="eval", step=step, val_loss=last["val_loss"])
-                (bar.write if primary else say)(
-                    f"update {step}: train loss {loss:.4f}, val loss {_show(last['val_loss'])}"
-                )
-                paused = True
-            if step % args.checkpoint_every == 0 or step == stop:
-                rr.check_finite(adapters, step=step, latest=checkpointer.latest_step)
-                checkpointer.save(step, record(step))
-                paused = True
-            if paused:  # evaluation and checkpoints are not training throughput
-                clock, timed = time.perf_counter(), 0
-    except BaseException:
-        log.close()
-        raise
-    finally:
-        bar.close()
-        checkpointer.close()
+                paused = False
+                if step % args.eval_every == 0 or step == args.steps:
+                    last["val_loss"] = val_loss()
+                    log.write(kind="eval", step=step, val_loss=last["val_loss"])
+                    (bar.write if primary else say)(
+                        f"update {step}: train loss {loss:.4f}, val loss {_show(last['val_loss'])}"
+                    )
+                    paused = True
+                halt = interrupt.stop_after(step)  # every update, on every process
+                if step % args.checkpoint_every == 0 or step == stop or halt:
+                    rr.check_finite(adapters, step=step, latest=checkpointer.latest_step)
+                    checkpointer.save(step, record(step))
+                    paused = True
+                if paused:  # evaluation and checkpoints are not training throughput
+                    clock, timed = time.perf_counter(), 0
+                if halt:
+                    break
+        except BaseException:
+            log.close()
+            raise
+        finally:
+            bar.close()
+            checkpointer.close()
 
     # --------------------------------------------------------------------------- output
     log.close()
@@ -547,9 +563,14 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         "samples": samples,
         **last,
         "peak_rss_bytes": _peak_rss_bytes(),
+        "interrupted": interrupt.signal_name,
     }
     if step < args.steps:
-        say(f"stopped at update {step} of {args.steps}; continue with --resume --run-dir {run_dir}")
+        why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
+        say(
+            f"stopped at update {step} of {args.steps} ({why}); continue with: "
+            f"python -m examples.finetune --resume --run-dir {run_dir}"
+        )
         return result
     nnx.update(trained, adapters, rngs)
     if mesh is not None and model is not None:

@@ -5,7 +5,7 @@
     python -m examples.lm.train --mesh data=2,fsdp=4    # 8 devices, FSDP (Muon too)
     python -m examples.lm.train --name a --stop-at 100   # ... later:
     python -m examples.lm.train --name a --resume        # continues to --steps, bit for bit
-    python -m examples.lm.train --name a --resume --resume-step 50   # from an earlier checkpoint
+    python -m examples.lm.train --name a --resume --resume-step 100  # from an earlier checkpoint
     python -m examples.lm.train --tensorboard            # then: tensorboard --logdir runs
 
 With no flags it tokenizes the Python standard library's own sources into ``data/lm`` (once:
@@ -37,6 +37,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -81,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     A run that goes wrong (a non-finite loss or weights, too many skipped updates; see
     ``examples/lm/guard.py``) ends in an ``error:`` line naming the update and exit code 1,
-    its checkpoints as they were before it.
+    its checkpoints as they were before it. Ctrl-C or SIGTERM (a preemption) mid-run lets
+    the update in flight finish and checkpoints it, prints the ``--resume`` line as
+    ``--stop-at`` does, and exits with 128 + the signal's number (130, 143), as shells report
+    a signal; a second Ctrl-C stops at once.
 
     Args:
       argv: the command line without the program name; None reads ``sys.argv``.
@@ -101,12 +105,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with rr.fail_fast():
         try:
             with jax.numpy_dtype_promotion("strict"):  # precision is explicit in rudax code
-                return train(args, cfg.given_flags(parser, argv))
+                summary = train(args, cfg.given_flags(parser, argv))
         except UsageError as e:
             parser.error(str(e))
         except rr.TrainingHalted as e:
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None
+    if summary.get("interrupted"):  # saved, and the status says it did not finish: 128 + N
+        # as shells report a signal (another process's preemption notice: SIGTERM's)
+        raise SystemExit(128 + getattr(signal, summary["interrupted"], signal.SIGTERM))
+    return summary
 
 
 def train(args: Any, given: set[str]) -> dict[str, Any]:
@@ -323,74 +331,84 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     note = bar.write if primary else say  # a line above the bar
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
     clock, clock_tokens = None, tokens
-    try:
-        while step < stop:
-            step += 1
-            window = []
-            for a in range(args.grad_accum):
-                acc, m = steps.micro(params, acc, microbatch(step, a))
-                window.append(m)
-            params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
-            tokens += tokens_per_update
-            # One transfer per update, which waits for it (so the bar counts finished
-            # updates): the loss, the gradient norm and the optimizer's skip count together.
-            window, norm, skipped_so_far = jax.device_get(
-                (window, norm, guard.num_skipped(opt_state))
-            )
-            loss = sum(float(m["ce_sum"]) for m in window) / sum(int(m["tokens"]) for m in window)
-            rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
-            if skips.update(step, skipped_so_far):
-                note(
-                    f"update {step}: skipped by the optimizer (its gradients were not finite); "
-                    f"{skipped_so_far} skipped so far"
+    # Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the run
+    # ends as --stop-at ends it (every process after the same update).
+    with rr.Interruptions() as interrupt:
+        try:
+            while step < stop:
+                step += 1
+                window = []
+                for a in range(args.grad_accum):
+                    acc, m = steps.micro(params, acc, microbatch(step, a))
+                    window.append(m)
+                params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
+                tokens += tokens_per_update
+                # One transfer per update, which waits for it (so the bar counts finished
+                # updates): the loss, the gradient norm and the optimizer's skip count together.
+                window, norm, skipped_so_far = jax.device_get(
+                    (window, norm, guard.num_skipped(opt_state))
                 )
-            if clock is None:  # the session's first update compiled the steps: time from its end
-                clock, clock_tokens = time.perf_counter(), tokens
-            elapsed = time.perf_counter() - clock
-            rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
-            lr = float(lr_at(step - 1))
-            last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
-            bar.set_postfix(
-                loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
-            )
-            bar.update(1)
-            if step % args.log_every == 0 or step == stop:
-                row = dict(
-                    kind="train",
-                    step=step,
-                    loss=loss,
-                    lr=lr,
-                    grad_norm=float(norm),
-                    tokens=tokens,
-                    tokens_per_s=rate,
+                loss = sum(float(m["ce_sum"]) for m in window) / sum(
+                    int(m["tokens"]) for m in window
                 )
-                if skipped_so_far is not None:
-                    row["skipped"] = int(skipped_so_far)
-                if config.num_local_experts is not None:
-                    row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
-                log.write(**row)
-            paused = False
-            if step % args.eval_every == 0 or step == args.steps:
-                last["val_loss"] = evaluate()
-                log.write(kind="eval", step=step, val_loss=last["val_loss"])
-                note(
-                    f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
-                    f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+                rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
+                if skips.update(step, skipped_so_far):
+                    note(
+                        f"update {step}: skipped by the optimizer (its gradients were not finite); "
+                        f"{skipped_so_far} skipped so far"
+                    )
+                if (
+                    clock is None
+                ):  # the session's first update compiled the steps: time from its end
+                    clock, clock_tokens = time.perf_counter(), tokens
+                elapsed = time.perf_counter() - clock
+                rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
+                lr = float(lr_at(step - 1))
+                last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
+                bar.set_postfix(
+                    loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
                 )
-                paused = True
-            if step % args.checkpoint_every == 0 or step == stop:
-                # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
-                rr.check_finite(params, step=step, latest=checkpointer.latest_step)
-                checkpointer.save(step, record(step, tokens))
-                paused = True
-            if paused:  # evaluation and checkpoint time are not training throughput
-                clock, clock_tokens = time.perf_counter(), tokens
-    except BaseException:  # a halt, an interrupt: what was logged reaches the disk
-        log.close()
-        raise
-    finally:
-        bar.close()
-        checkpointer.close()
+                bar.update(1)
+                if step % args.log_every == 0 or step == stop:
+                    row = dict(
+                        kind="train",
+                        step=step,
+                        loss=loss,
+                        lr=lr,
+                        grad_norm=float(norm),
+                        tokens=tokens,
+                        tokens_per_s=rate,
+                    )
+                    if skipped_so_far is not None:
+                        row["skipped"] = int(skipped_so_far)
+                    if config.num_local_experts is not None:
+                        row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
+                    log.write(**row)
+                paused = False
+                if step % args.eval_every == 0 or step == args.steps:
+                    last["val_loss"] = evaluate()
+                    log.write(kind="eval", step=step, val_loss=last["val_loss"])
+                    note(
+                        f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
+                        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+                    )
+                    paused = True
+                halt = interrupt.stop_after(step)  # every update, on every process
+                if step % args.checkpoint_every == 0 or step == stop or halt:
+                    # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
+                    rr.check_finite(params, step=step, latest=checkpointer.latest_step)
+                    checkpointer.save(step, record(step, tokens))
+                    paused = True
+                if paused:  # evaluation and checkpoint time are not training throughput
+                    clock, clock_tokens = time.perf_counter(), tokens
+                if halt:
+                    break
+        except BaseException:  # a halt, an interrupt: what was logged reaches the disk
+            log.close()
+            raise
+        finally:
+            bar.close()
+            checkpointer.close()
 
     # --------------------------------------------------------------------------- report
     if step == args.steps:
@@ -411,8 +429,9 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     if primary:
         rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
     if step < args.steps:
+        why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
         say(
-            f"stopped at update {step} of {args.steps} (--stop-at); continue with: "
+            f"stopped at update {step} of {args.steps} ({why}); continue with: "
             f"python -m examples.lm.train --resume --run-dir {run_dir}"
         )
     say(
@@ -428,6 +447,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         "plot": str(plot),
         "tensorboard": None if events is None else str(events),
         "step": step,
+        "interrupted": interrupt.signal_name,
         **last,
         "compilations": {
             name: getattr(steps, name)._cache_size() for name in ("micro", "apply", "evaluate")

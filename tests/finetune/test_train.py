@@ -10,6 +10,7 @@ import os
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 import rudax.kernels as rk
 import rudax.layers as rl
+import rudax.run as rr
 from examples.finetune import instructions
 from examples.finetune.train import main
 from tests.finetune.conftest import tiny_base, write_jsonl
@@ -162,14 +164,31 @@ def test_generate_puts_the_adapter_on_the_base_as_it_was_trained(full_run, base_
     assert np.max(np.abs(np.asarray(plain(ids)) - want)) > 1e-3 * np.max(np.abs(want))
 
 
-def test_resume_in_a_fresh_process_is_bit_for_bit(full_run, base_dir, data_files, tmp_path):
+def test_a_signal_then_resume_in_a_fresh_process_is_bit_for_bit(
+    full_run, base_dir, data_files, tmp_path, monkeypatch, capsys
+):
     full_dir, _ = full_run
     run_dir = tmp_path / "run"
+    real_check = rr.check_loss
+
+    def check_loss(loss, *, step, latest):  # inside each update, after its steps
+        if step == 3:  # --checkpoint-every 4 would not save it: the interruption does
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption's notice
+        real_check(loss, step=step, latest=latest)
+
+    monkeypatch.setattr(rr, "check_loss", check_loss)
     # The first session checkpoints each block's activations (--remat, a session flag): the
     # same gradients, so the same run, as the rows compared below show.
-    flags = _flags(base_dir, data_files, run_dir, "--param-dtype", "float32", "--stop-at", "4")
-    main([*flags, "--remat", "full"])
-    assert [s for s, *_ in _train_rows(run_dir)] == [1, 2, 3, 4]
+    flags = _flags(base_dir, data_files, run_dir, "--param-dtype", "float32")
+    with pytest.raises(SystemExit) as exit_:
+        main([*flags, "--remat", "full"])
+    monkeypatch.undo()
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert (
+        f"stopped at update 3 of 8 (SIGTERM); continue with: python -m examples.finetune "
+        f"--resume --run-dir {run_dir}" in capsys.readouterr().out
+    )
+    assert [s for s, *_ in _train_rows(run_dir)] == [1, 2, 3]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(
         [sys.executable, "-m", "examples.finetune", "--resume", "--run-dir", str(run_dir)],

@@ -6,6 +6,7 @@ straight MoE run (module fixture) serves the learning, report, resume and --init
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rudax.run as rr
 from examples.lm import timing, train
 from rudax.run import read_metrics
 from tests.lm.conftest import TINY
@@ -76,6 +78,44 @@ def test_interrupted_then_resumed_run_matches_the_straight_run_bit_for_bit(strai
     # Checkpoints at 3 and 5; rows up to 5 are kept, the run continues from update 5.
     resumed = train.main(["--resume", "--run-dir", run_dir, "--log-every", "1"])
     assert resumed["step"] == 8
+    got, want = _losses(resumed["metrics"]), _losses(summary["metrics"])
+    assert len(got) == len(want) == 11
+    assert got == want  # floats compared exactly
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_run_saves_the_update_and_resumes_bit_for_bit(
+    straight, tmp_path, monkeypatch, capsys, sig
+):
+    """Ctrl-C (or a preemption's SIGTERM) during update 4, which --checkpoint-every 3 would
+    not save: the update finishes, checkpoint 4 is written, the resume line is printed, the
+    status is 128 + the signal, and the resumed run is the straight run's, bit for bit."""
+    summary, flags = straight
+    run_dir = tmp_path / "signalled"
+    real_check = rr.check_loss
+
+    def check_loss(loss, *, step, latest):  # runs inside each update, after its steps
+        if step == 4:
+            os.kill(os.getpid(), sig)  # a real signal, delivered to the handler in this thread
+        real_check(loss, step=step, latest=latest)
+
+    monkeypatch.setattr(rr, "check_loss", check_loss)
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*flags, "--run-dir", str(run_dir)])
+    assert exit_.value.code == 128 + sig
+    monkeypatch.undo()
+    out = capsys.readouterr().out
+    name = signal.Signals(sig).name
+    assert f"stopped at update 4 of 8 ({name}); continue with: " in out
+    assert f"--resume --run-dir {run_dir}" in out
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [
+        "3",
+        "4",
+    ]
+    # the old handlers are back: the next Ctrl-C is Python's own
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    resumed = train.main(["--resume", "--run-dir", str(run_dir)])
+    assert resumed["step"] == 8 and resumed["interrupted"] is None
     got, want = _losses(resumed["metrics"]), _losses(summary["metrics"])
     assert len(got) == len(want) == 11
     assert got == want  # floats compared exactly
