@@ -41,8 +41,11 @@ never be "the latest" that makes later saves no-ops. A writer holds the director
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -206,9 +209,10 @@ class Checkpointer:
             meta_handler = MetaHandler()
             registry.add(META, MetaSave, meta_handler)
             registry.add(META, MetaRestore, meta_handler)
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=options, handler_registry=registry
-            )
+            with _without_read_only_notice():
+                self._manager = ocp.CheckpointManager(
+                    self.directory, options=options, handler_registry=registry
+                )
         except BaseException:
             self._release()
             raise
@@ -569,3 +573,21 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _ReadOnlyNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _without_read_only_notice() -> Iterator[None]:
+    """Drops orbax's ``WARNING:absl:Given directory is read only=...``, logged by every
+    read-only CheckpointManager: asked for, it is what a restore is, and users read the
+    warning as a problem. absl logs through the ``absl`` logger; nothing else is dropped."""
+    logger, notice = logging.getLogger("absl"), _ReadOnlyNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)

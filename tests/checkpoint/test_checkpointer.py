@@ -1,6 +1,7 @@
 """Checkpointer: bitwise round trips, exact resume, retention, template validation, plain orbax."""
 
 import json
+import logging
 import os
 import shutil
 
@@ -54,6 +55,27 @@ def test_round_trip_is_bitwise(tmp_path):
     assert int(restored.accumulator.count) == 1
     assert restored.state["data_position"] == 5 and restored.state["run"] == "exp-1"
     assert_bitwise_equal(restored, record)
+
+
+def test_a_read_only_restore_logs_no_warning_and_other_absl_warnings_pass(tmp_path):
+    # orbax logs "Given directory is read only" for every read-only manager: noise to a user
+    # who asked for exactly that. Only that line is dropped.
+    record = _record()
+    with rc.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, record)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append(r.getMessage())
+    absl = logging.getLogger("absl")
+    absl.addHandler(handler)
+    try:
+        with rc.Checkpointer(tmp_path, read_only=True) as reader:
+            assert_bitwise_equal(reader.restore(_fresh_like(record)), record)
+        absl.warning("another warning")
+    finally:
+        absl.removeHandler(handler)
+    assert not [m for m in seen if "read only" in m], seen
+    assert "another warning" in seen
 
 
 def test_round_trip_without_optional_parts(tmp_path):
