@@ -1,4 +1,4 @@
-"""A small GPT (dense or MoE) trained end to end with rudax: the README's main job.
+"""A small Llama (dense or Mixtral) trained end to end with rudax: the README's main job.
 
     python -m examples.lm.prepare   # corpus -> local BPE -> token shards (data/lm)
     python -m examples.lm.train     # prepares if needed, trains, evaluates, checkpoints

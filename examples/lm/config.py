@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         # one line above an error, not every flag: --help lists them
         usage="%(prog)s [flags]  (--help lists them)",
         description=(
-            "Train a small GPT (dense or MoE) with rudax on a local text corpus (default: the "
+            "Train a small Llama (dense, or a Mixtral of experts with --moe) with rudax on a "
+            "local text corpus (default: the "
             "Python standard library's sources). Writes checkpoints, metrics.jsonl and loss.png "
             "into the run directory."
         ),

@@ -189,6 +189,8 @@ def test_help_documents_every_flag(capsys):
         train.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
+    # the model it trains, a rudax.models Llama (the trainer's GPT is gone)
+    assert "Train a small Llama" in " ".join(text.split()) and "GPT" not in text
     parser = train.cfg.build_parser()
     for action in parser._actions:
         for option in action.option_strings:
