@@ -349,17 +349,26 @@ def launch(
         while any(c.open for c in which) and (left := deadline - time.monotonic()) > 0:
             pump(min(left, 0.05))
 
-    def stop(sig: int, why: str, *, name_command: bool = False) -> None:
-        """Signals every process group, waits up to ``grace`` seconds, then kills them."""
+    def stop(sig: int, why: str, *, name_command: bool = False, patient: bool = False) -> None:
+        """Signals every process group, waits up to ``grace`` seconds (``patient``: until they
+        exit by themselves or another signal comes), then kills them."""
         running = [c for c in children if c.proc.poll() is None]
+        name = signal.Signals(sig).name
         if running:
-            ranks = ", ".join(str(c.rank) for c in running)
-            why += f"; stopping rank{'s' if len(running) > 1 else ''} {ranks}"
+            ranks = f"rank{'s' if len(running) > 1 else ''} " + ", ".join(
+                str(c.rank) for c in running
+            )
+            if patient:  # a training program finishes its update and saves first
+                why += f"; passed to {ranks}, waiting for them to exit ({name} again stops them)"
+            else:
+                why += f"; stopping {ranks}"
         report(f"{why} (command: {shown_command})" if name_command else why)
         for c in children:
             c.signal_group(sig)
         asked, deadline = len(received), time.monotonic() + grace
-        while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
+        while any(c.proc.poll() is None for c in children) and (
+            patient or time.monotonic() < deadline
+        ):
             if len(received) > asked:  # a signal while stopping: kill at once
                 break
             pump(0.05)
@@ -368,40 +377,11 @@ def launch(
             c.signal_group(signal.SIGKILL)
         if late:
             ranks = ", ".join(str(c.rank) for c in late)
-            name = signal.Signals(sig).name
-            report(
-                f"rank{'s' if len(late) > 1 else ''} {ranks} still running {grace:g} s after "
-                f"{name}: killed"
-            )
+            after = "at a second signal" if patient else f"{grace:g} s after {name}"
+            report(f"rank{'s' if len(late) > 1 else ''} {ranks} still running {after}: killed")
         for c in children:
             c.proc.wait()
         drain(children, _DRAIN_SECONDS)  # what they wrote before they went
-
-    def interrupt(sig: int) -> None:
-        """Passes ``sig`` on and waits for every process to exit by itself (a training
-        program finishes its update and saves); a second signal kills them at once."""
-        running = [c for c in children if c.proc.poll() is None]
-        name = signal.Signals(sig).name
-        if running:
-            ranks = ", ".join(str(c.rank) for c in running)
-            report(
-                f"received {name}; passed to rank{'s' if len(running) > 1 else ''} {ranks}, "
-                f"waiting for them to exit ({name} again stops them at once)"
-            )
-        for c in children:
-            c.signal_group(sig)
-        asked = len(received)
-        while any(c.proc.poll() is None for c in children) and len(received) == asked:
-            pump(0.05)
-        late = [c for c in children if c.proc.poll() is None]
-        for c in children:
-            c.signal_group(signal.SIGKILL)
-        if late:
-            ranks = ", ".join(str(c.rank) for c in late)
-            report(f"received {signal.Signals(received[-1]).name} again: killed rank(s) {ranks}")
-        for c in children:
-            c.proc.wait()
-        drain(children, _DRAIN_SECONDS)
 
     try:
         width = len(str(processes - 1))
@@ -441,8 +421,9 @@ def launch(
                 drain(children, _DRAIN_SECONDS)
                 return 0
             if received:
-                interrupt(received[0])
-                return 128 + received[0]
+                sig = received[0]
+                stop(sig, f"received {signal.Signals(sig).name}", patient=True)
+                return 128 + sig
             if deadline is not None and time.monotonic() >= deadline:
                 stop(signal.SIGTERM, f"timed out after {timeout:g} s")
                 return TIMEOUT_STATUS

@@ -285,16 +285,27 @@ def _launcher_of_sleepers(tmp_path: Path, code: str, grace: str) -> subprocess.P
     return launcher
 
 
-def test_ctrl_c_to_the_launcher_stops_every_process(tmp_path):
-    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)"), "1")
+def _ctrl_c(tmp_path: Path, setup: str = "", *, again: bool = False) -> tuple[str, str]:
+    """Ctrl-C to a launcher of 2 sleepers with --grace 0.5 (and a second one, past the grace,
+    ``again``): their (stdout, stderr), once it has exited 130, every process gone."""
+    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)", setup), "0.5")
     try:
         launcher.send_signal(signal.SIGINT)
-        _, err = launcher.communicate(timeout=10)
+        if again:
+            time.sleep(1)  # past --grace: still waiting
+            assert launcher.poll() is None
+            launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=20)
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGINT
-    assert "[launch] received SIGINT; passed to ranks 0, 1, waiting for them to exit" in err
     assert_gone(pids_in(tmp_path))
+    return out, err
+
+
+def test_ctrl_c_to_the_launcher_stops_every_process(tmp_path):
+    _, err = _ctrl_c(tmp_path)
+    assert "[launch] received SIGINT; passed to ranks 0, 1, waiting for them to exit" in err
 
 
 def test_processes_interrupted_take_the_time_they_need_to_save(tmp_path):
@@ -303,35 +314,16 @@ def test_processes_interrupted_take_the_time_they_need_to_save(tmp_path):
         "signal.signal(signal.SIGINT, lambda *a: (time.sleep(2), print('saved', flush=True), "
         "os._exit(130)))"
     )
-    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)", setup), "0.5")
-    try:
-        launcher.send_signal(signal.SIGINT)
-        out, err = launcher.communicate(timeout=20)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGINT
-    assert sorted(line for line in out.splitlines() if "saved" in line) == [
-        "[0] saved",
-        "[1] saved",
-    ], (out, err)
+    out, err = _ctrl_c(tmp_path, setup)
+    saved = sorted(line for line in out.splitlines() if "saved" in line)
+    assert saved == ["[0] saved", "[1] saved"], (out, err)
     assert "killed" not in err
-    assert_gone(pids_in(tmp_path))
 
 
 def test_a_second_ctrl_c_kills_processes_that_do_not_stop(tmp_path):
     setup = "signal.signal(signal.SIGINT, signal.SIG_IGN)"  # inherited by `sleep` too
-    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)", setup), "0.5")
-    try:
-        launcher.send_signal(signal.SIGINT)
-        time.sleep(1)  # past --grace: still waiting
-        assert launcher.poll() is None
-        launcher.send_signal(signal.SIGINT)
-        _, err = launcher.communicate(timeout=10)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGINT
-    assert "[launch] received SIGINT again: killed rank(s) 0, 1" in err
-    assert_gone(pids_in(tmp_path))
+    _, err = _ctrl_c(tmp_path, setup, again=True)
+    assert "[launch] ranks 0, 1 still running at a second signal: killed" in err
 
 
 def test_all_processes_succeeding_is_status_0_and_a_missing_command_127(tmp_path):
