@@ -43,9 +43,9 @@ a process ends at the SIGKILL. Ctrl-C, SIGTERM or SIGHUP to the launcher is pass
 process group as it is, and the launcher waits for them to exit by themselves, however long
 that takes: rudax's programs (``rudax.run.Interruptions``) finish the update in flight, save
 it on every process and exit. A second signal kills them at once. The launcher then exits
-``128 + signal``. ``--timeout`` stops
-everything after that many seconds and exits 124. All children exiting 0: exit 0. A command
-that cannot be started: 127 (not found) or 126 (not executable). POSIX only (process groups).
+``128 + signal``. ``--timeout`` stops everything after that many seconds and exits 124. All
+children exiting 0: exit 0. A command that cannot be started: 127 (not found) or 126 (not
+executable). POSIX only (process groups).
 
 Why ``rudax.run`` does not import this module: ``python -m rudax.run.launch`` imports the
 package ``rudax.run`` first, and a package that had already imported the module it is asked to
