@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
+import rudax.sharding as rs
 from benchmarks._timing import alternate, ratio_summary
 from examples.finetune import mesh as mesh_
 from examples.finetune.train import ALL_PROJECTIONS, make_steps
@@ -79,11 +80,11 @@ def _arm(model: rm.LlamaForCausalLM, mesh: Mesh | None, batch: dict[str, np.ndar
         micro, apply, _ = make_steps(graphdef, eval_def, tx)
         placed = batch
     else:
-        adapters, rngs, base, opt_state, acc = mesh_.place(
+        adapters, rngs, base, opt_state, acc = rs.place(
             (adapters, rngs, base, opt_state, acc), mesh
         )
         micro, apply, _ = mesh_.make_steps(graphdef, eval_def, tx, mesh)
-        placed = mesh_.put_batch(batch, mesh, len(batch["tokens"]))
+        placed = rs.put_batch(batch, mesh, len(batch["tokens"]))
     state = {"adapters": adapters, "rngs": rngs, "opt": opt_state, "acc": acc}
 
     def step() -> Any:

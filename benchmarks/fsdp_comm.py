@@ -74,8 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 import rudax.layers as rl
 import rudax.models as rm
@@ -86,7 +85,7 @@ from examples.finetune.train import ALL_PROJECTIONS
 from examples.finetune.train import make_steps as one_device_finetune_steps
 from examples.lm.config import build_parser
 from examples.lm.spec import shard
-from examples.lm.step import batch_spec, make_optimizer, make_steps, model_spec, place
+from examples.lm.step import make_optimizer, make_steps, model_spec
 
 N = 8
 MESHES = ("data=2,fsdp=4", "fsdp=8")
@@ -235,7 +234,7 @@ def make_mesh(text: str | None) -> Mesh | None:
     """``"data=2,fsdp=4"`` as the programs make it (Auto axes), of the first devices."""
     if text is None:
         return None
-    spec = ft_mesh.parse_mesh(text)
+    spec = rs.parse_mesh(text)
     n = math.prod(spec.values())
     devices = jax.devices() if jax.device_count() >= n else jax.devices("cpu")
     if len(devices) < n:
@@ -295,13 +294,14 @@ def trainer(
     if the_mesh is not None and "fsdp" in the_mesh.axis_names:
         model = shard(model, the_mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = place(params, the_mesh)
+    place = lambda tree: tree if the_mesh is None else rs.place(tree, the_mesh)
+    params = place(params)
     tx = make_optimizer(args, the_mesh)
-    opt_state = place(jax.jit(tx.init)(params), the_mesh)
+    opt_state = place(jax.jit(tx.init)(params))
     init_acc = jax.jit(ro.GradientAccumulator.init, static_argnums=1)
-    acc = place(init_acc(params, jnp.float32), the_mesh)
+    acc = place(init_acc(params, jnp.float32))
     run = make_steps(graphdef, rest, tx, mesh=the_mesh, loss_chunk=spec.loss_chunk)
-    sharding = None if the_mesh is None else NamedSharding(the_mesh, batch_spec(the_mesh))
+    sharding = None if the_mesh is None else rs.batch_sharding(the_mesh)
     batch = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32, sharding=sharding)
 
     logical = nnx.state(nnx.eval_shape(lambda: model_spec(plain).create(0)), nnx.Param)
@@ -400,10 +400,10 @@ def finetuner(base_dir: Path, args: argparse.Namespace, *, mesh: str | None) -> 
         micro, apply, _ = one_device_finetune_steps(graphdef, eval_def, tx)
         sharding = None
     else:
-        adapters, rngs, base = ft_mesh.place((adapters, rngs, base), the_mesh)
-        opt_state, acc = ft_mesh.place((opt_state, acc), the_mesh)
+        adapters, rngs, base = rs.place((adapters, rngs, base), the_mesh)
+        opt_state, acc = rs.place((opt_state, acc), the_mesh)
         micro, apply, _ = ft_mesh.make_steps(graphdef, eval_def, tx, the_mesh)
-        sharding = NamedSharding(the_mesh, P(tuple(the_mesh.axis_names)))  # put_batch's
+        sharding = rs.batch_sharding(the_mesh)
     shape = (args.batch_size, args.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
              for k in ("tokens", "labels", "segment_ids", "positions")}  # fmt: skip
@@ -559,7 +559,7 @@ TRAINER_ARMS = (
 
 
 def _analytic(program: Program, mesh: str, optimizer: str, *, cpu: bool) -> dict[str, dict]:
-    spec = ft_mesh.parse_mesh(mesh)
+    spec = rs.parse_mesh(mesh)
     data, fsdp = spec.get("data", 1), spec.get("fsdp", 1)
     micro = analytic_micro(program, data=data, fsdp=fsdp, cpu=cpu)
     apply = {}

@@ -22,7 +22,6 @@ test_mesh.py``).
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,52 +31,20 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import rudax.layers as rl
 import rudax.models as rm
 import rudax.sharding as rs
 
-AXES = ("data", "fsdp")
-
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}`` (an argparse ``type=``)."""
-    spec: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.strip().partition("=")
-        if not sep or name not in AXES or name in spec or not size.isdigit() or int(size) < 1:
-            raise argparse.ArgumentTypeError(
-                f"expected axis=size pairs with axes {AXES} and sizes >= 1, e.g. data=2,fsdp=4; "
-                f"got {text!r}"
-            )
-        spec[name] = int(size)
-    return {name: spec[name] for name in AXES if name in spec}
-
-
-def mesh_text(spec: dict[str, int]) -> str:
-    """``{"data": 2, "fsdp": 4}`` -> ``"data=2,fsdp=4"``."""
-    return ",".join(f"{k}={v}" for k, v in spec.items())
-
-
-def make_mesh(spec: dict[str, int], *, multi: bool) -> Mesh:
-    """The mesh of ``--mesh``: this process's devices alone (that many CPU devices simulated if
-    JAX has not started), or every process's, in process order so that process ``p``'s devices
-    take a contiguous block of the batch's rows. ValueError if the device count differs."""
-    n = math.prod(spec.values())
-    if not multi:
-        try:  # before the backend starts; afterwards the device count is what it is
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:
-            pass
-    if jax.device_count() != n:
-        raise ValueError(
-            f"--mesh {mesh_text(spec)} needs {n} devices, the run has {jax.device_count()} "
-            f"({jax.process_count()} process(es), {jax.devices()[0].platform})"
-        )
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(devices).reshape(tuple(spec.values())), tuple(spec))
+    """``--mesh``'s type: ``rudax.sharding.parse_mesh``, its error argparse's."""
+    try:
+        return rs.parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def shard(model: rm.LlamaForCausalLM, mesh: Mesh) -> rm.LlamaForCausalLM:
@@ -87,38 +54,6 @@ def shard(model: rm.LlamaForCausalLM, mesh: Mesh) -> rm.LlamaForCausalLM:
     return rm.shard(model, rs.ShardingContext(mesh, "fsdp"))
 
 
-def specs(tree: Any, mesh: Mesh) -> Any:
-    """Each leaf's ``PartitionSpec``: FSDP storage split over ``fsdp``, the rest replicated."""
-    if "fsdp" not in mesh.axis_names:
-        return jax.tree.map(lambda _: P(), tree)
-    return rs.shard_specs(tree, "fsdp")
-
-
-def place(tree: Any, mesh: Mesh) -> Any:
-    """``tree``'s arrays on the mesh as ``specs`` says. A value every process holds whole (the
-    model loaded whole on each, its dropout keys) becomes one array replicated over every
-    process's devices: ``device_put`` refuses a committed array onto devices of other
-    processes."""
-
-    def put(x: Any, sharding: NamedSharding) -> Any:
-        if not (
-            isinstance(x, jax.Array)
-            and x.is_fully_addressable
-            and not sharding.is_fully_addressable
-            and sharding.spec == P()
-        ):
-            return jax.device_put(x, sharding)
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys have no host form
-            data = jax.make_array_from_process_local_data(
-                sharding, np.asarray(jax.random.key_data(x))
-            )
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh))
-    return jax.tree.map(put, tree, shardings)
-
-
 def own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """This process's rows of a whole batch (rows ``[p * b, (p + 1) * b)``, ``b`` the rows
     per process), as ``FinetuneData.batch(i, shard=p, num_shards=n)`` reads them itself."""
@@ -126,21 +61,12 @@ def own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {key: rows[p * len(rows) // n : (p + 1) * len(rows) // n] for key, rows in batch.items()}
 
 
-def put_batch(local: dict[str, np.ndarray], mesh: Mesh, rows: int) -> dict[str, jax.Array]:
-    """A batch of ``rows`` rows split over every mesh axis, from this process's own rows
-    (``local``; ``mesh``'s devices are in process order, so they are a contiguous block)."""
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    return {
-        key: jax.make_array_from_process_local_data(sharding, part, (rows, *part.shape[1:]))
-        for key, part in local.items()
-    }
-
-
 def make_steps(
     graphdef: nnx.GraphDef, eval_def: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Mesh
 ) -> tuple[Any, Any, Any]:
     """``examples.finetune.train.make_steps``'s ``(micro, apply, evaluate)``, same signatures,
-    over ``mesh``: the state placed by ``place``, the batch by ``put_batch``."""
+    over ``mesh``: the state placed by ``rudax.sharding.place``, the batch by
+    ``rudax.sharding.put_batch``."""
     axes = tuple(mesh.axis_names)
     per_device = P(axes)
 
@@ -180,7 +106,7 @@ def make_steps(
             (loss, metrics), rngs = jax.shard_map(
                 local,
                 mesh=mesh,
-                in_specs=(specs(adapters, mesh), P(), specs(base, mesh), per_device),
+                in_specs=(_specs(adapters, mesh), P(), _specs(base, mesh), per_device),
                 out_specs=(per_device, P()),
             )(adapters, rngs, base, batch)
             summed = {
@@ -195,8 +121,7 @@ def make_steps(
     train_run, eval_run = sharded(graphdef), sharded(eval_def)
 
     def constrain(tree: Any) -> Any:
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh))
-        return jax.lax.with_sharding_constraint(tree, shardings)
+        return jax.lax.with_sharding_constraint(tree, rs.state_shardings(tree, mesh))
 
     @jax.jit
     def micro(adapters, rngs, acc, base, batch):
@@ -295,3 +220,8 @@ def _set(target: nnx.Variable, value: np.ndarray, path: tuple[Any, ...]) -> None
     if tuple(want.shape) != value.shape:
         raise ValueError(f"{path}: a gathered adapter of shape {value.shape}, not {want.shape}")
     target.set_value(jnp.asarray(value, want.dtype))
+
+
+def _specs(tree: Any, mesh: Mesh) -> Any:
+    """Each leaf's ``PartitionSpec`` in ``rudax.sharding.state_shardings``' placement."""
+    return jax.tree.map(lambda s: s.spec, rs.state_shardings(tree, mesh))

@@ -79,6 +79,7 @@ import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
+import rudax.sharding as rs
 from examples.finetune import base as base_
 from examples.finetune import instructions
 from examples.finetune import mesh as mesh_
@@ -281,9 +282,9 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         )
     rr.retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
     try:
-        mesh = None if not args.mesh else mesh_.make_mesh(args.mesh, multi=multi)
+        mesh = None if not args.mesh else rs.make_mesh(args.mesh)
     except ValueError as e:
-        raise UsageError(str(e)) from e
+        raise UsageError(f"--mesh {e}") from e
     if multi:  # every process has checked the run directory before any writes to it
         multihost_utils.sync_global_devices("examples.finetune: checked")
     # Process 0 writes the run's files, logs and prints.
@@ -370,7 +371,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     trained.train()
     graphdef, adapters, rngs, base = nnx.split(trained, rl.LoRAParam, nnx.RngState, ...)
     if mesh is not None:
-        adapters, rngs, base = mesh_.place((adapters, rngs, base), mesh)
+        adapters, rngs, base = rs.place((adapters, rngs, base), mesh)
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(base))
     # what one device holds of it (the whole, or 1/fsdp of each weight plus padding)
     base_device_bytes = sum(
@@ -387,7 +388,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     opt_state = tx.init(adapters)
     acc = ro.GradientAccumulator.init(adapters, jnp.float32)
     if mesh is not None:
-        opt_state, acc = mesh_.place((opt_state, acc), mesh)
+        opt_state, acc = rs.place((opt_state, acc), mesh)
 
     # --------------------------------------------------------------------------- step
     if mesh is None:
@@ -397,7 +398,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     else:
         micro, apply, evaluate = mesh_.make_steps(graphdef, eval_def, tx, mesh)
         # this process's rows, placed; the count of real tokens over every process's rows
-        put = lambda batch: mesh_.put_batch(batch, mesh, args.batch_size)
+        put = lambda batch: rs.put_batch(batch, mesh, args.batch_size)
         real_tokens = lambda placed: int(_count_tokens(placed["segment_ids"]))
 
     def val_loss() -> float | None:
@@ -468,7 +469,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     where = ""
     if mesh is not None:
         where = (
-            f" over mesh {mesh_.mesh_text(args.mesh)} ({jax.process_count()} process(es); "
+            f" over mesh {rs.mesh_text(args.mesh)} ({jax.process_count()} process(es); "
             f"{base_device_bytes:,} base bytes per device)"
         )
     say(
@@ -757,7 +758,7 @@ def _check_flags(args: argparse.Namespace, run_dir: Path) -> None:
     if args.batch_size % devices:  # each batch's rows are split over every axis of the mesh
         raise UsageError(
             f"--batch-size must be divisible by the mesh's {devices} devices (each holds an "
-            f"equal slice), got --batch-size {args.batch_size}, --mesh {mesh_.mesh_text(args.mesh)}"
+            f"equal slice), got --batch-size {args.batch_size}, --mesh {rs.mesh_text(args.mesh)}"
         )
     for flag in ("data", "val_data"):  # before anything is exported or written
         path = getattr(args, flag)

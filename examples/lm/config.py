@@ -20,7 +20,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-MESH_AXES = ("data", "fsdp")
 OPTIMIZERS = ("adamw", "muon", "fused_adamw")
 DTYPES = ("bfloat16", "float32")
 # rudax.layers.REMAT_POLICIES, written out: this module is read before JAX is imported.
@@ -110,28 +109,20 @@ unit_interval = _number(float, 0, high=1)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}``, axes in MESH_AXES order."""
-    sizes: dict[str, int] = {}
-    for part in text.split(","):
-        name, eq, size = part.strip().partition("=")
-        if not eq or name not in MESH_AXES:
-            raise argparse.ArgumentTypeError(
-                f"expected axis=size pairs with axes {MESH_AXES}, e.g. data=2,fsdp=4; got {text!r}"
-            )
-        if name in sizes:
-            raise argparse.ArgumentTypeError(f"axis {name!r} given twice in {text!r}")
-        try:
-            sizes[name] = int(size)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} size must be an int, got {text!r}") from None
-        if sizes[name] < 1:
-            raise argparse.ArgumentTypeError(f"{name} size must be >= 1, got {text!r}")
-    return {axis: sizes[axis] for axis in MESH_AXES if axis in sizes}
+    """``--mesh``'s type: ``rudax.sharding.parse_mesh``, its error argparse's."""
+    import rudax.sharding as rs  # here, not above: this module is read before JAX is imported
+
+    try:
+        return rs.parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def mesh_text(mesh: dict[str, int]) -> str:
-    """``{"data": 2, "fsdp": 4}`` -> ``"data=2,fsdp=4"``, as the flag is written."""
-    return ",".join(f"{axis}={size}" for axis, size in mesh.items())
+    """``{"data": 2, "fsdp": 4}`` -> ``"data=2,fsdp=4"`` (``rudax.sharding.mesh_text``)."""
+    import rudax.sharding as rs
+
+    return rs.mesh_text(mesh)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

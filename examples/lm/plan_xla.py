@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
 
 import rudax.layers as rl
+import rudax.sharding as rs
 from examples.finetune.train import make_steps as finetune_steps
 from examples.lm import plan as pl
-from examples.lm.step import batch_spec, make_optimizer, make_steps, placement
+from examples.lm.step import make_optimizer, make_steps
 
 
 class StepMemory(NamedTuple):
@@ -82,9 +82,9 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         graphdef, params, rest = nnx.split(pl.trained_model(spec, mesh), nnx.Param, ...)
         tx = make_optimizer(args, mesh)
         opt_state, acc = pl.optimizer_state(tx, params)
-        place = (lambda t: _abstract(t, placement(t, mesh))) if mesh else _abstract
+        place = (lambda t: _abstract(t, rs.state_shardings(t, mesh))) if mesh else _abstract
         params, opt_state, acc = place(params), place(opt_state), place(acc)
-        batch_sharding = NamedSharding(mesh, batch_spec(mesh)) if mesh else None
+        batch_sharding = rs.batch_sharding(mesh) if mesh else None
         batch = jax.ShapeDtypeStruct(
             (args.batch_size, spec.seq_len + 1), jnp.int32, sharding=batch_sharding
         )

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import rudax.layers as rl
@@ -243,11 +243,6 @@ class Steps(NamedTuple):
     gradients: Callable  # (params, batch) -> grads, for --profile
 
 
-def batch_spec(mesh: Mesh | None) -> P:
-    """How a batch is laid out: its rows split over every mesh axis."""
-    return P(tuple(mesh.axis_names)) if mesh is not None else P()
-
-
 def make_steps(
     graphdef: nnx.GraphDef,
     rest: Any,
@@ -297,7 +292,7 @@ def make_steps(
             sharded = jax.shard_map(
                 ranked,
                 mesh=mesh,
-                in_specs=(param_specs, batch_spec(mesh)),
+                in_specs=(param_specs, rs.batch_sharding(mesh).spec),
                 out_specs=per_device,
             )
             loss, metrics = sharded(params, batch)
@@ -309,7 +304,9 @@ def make_steps(
 
     def constrain(tree):
         return (
-            tree if mesh is None else jax.lax.with_sharding_constraint(tree, placement(tree, mesh))
+            tree
+            if mesh is None
+            else jax.lax.with_sharding_constraint(tree, rs.state_shardings(tree, mesh))
         )
 
     def micro(params, acc, batch):
@@ -335,27 +332,3 @@ def make_steps(
         forward=jax.jit(lambda params, batch: objective(params, batch)[0]),
         gradients=jax.jit(jax.grad(lambda params, batch: objective(params, batch)[0])),
     )
-
-
-def placement(tree: Any, mesh: Mesh) -> Any:
-    """Where each leaf of the train state lives on the mesh, as a pytree of NamedShardings.
-
-    With an ``fsdp`` axis every parameter is a flat ``ShardedParameter`` vector split over it
-    (a stack of them, for layers stored stacked, over its last axis), and every other
-    non-scalar leaf of the state (fp32 masters, moments, accumulated gradients) mirrors one:
-    all are split over ``fsdp`` (``rudax.sharding.shard_specs``). Scalars (counters, norms)
-    and, on a data-only mesh, everything are replicated. Works on arrays and on tracers.
-    """
-    if "fsdp" not in mesh.axis_names:
-        return jax.tree.map(lambda x: NamedSharding(mesh, P()), tree)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), rs.shard_specs(tree, "fsdp"))
-
-
-def place(tree: Any, mesh: Mesh | None) -> Any:
-    """tree's arrays put where ``placement`` says (unchanged without a mesh).
-
-    ``tx.init`` and ``GradientAccumulator.init`` leave fresh zeros on one device; a restored
-    checkpoint comes back unsharded. Placing them as the jitted steps return them lets every
-    update reuse the first one's compilation.
-    """
-    return tree if mesh is None else jax.device_put(tree, placement(tree, mesh))

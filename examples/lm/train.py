@@ -34,7 +34,6 @@ fused AdamW), ``rudax.sharding`` (FSDP over a mesh inside ``jax.shard_map``) and
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import signal
@@ -49,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 import rudax.checkpoint as rc
@@ -64,14 +63,7 @@ from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError
 from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
 from examples.lm.spec import shard
-from examples.lm.step import (
-    batch_spec,
-    make_optimizer,
-    make_schedule,
-    make_steps,
-    model_spec,
-    place,
-)
+from examples.lm.step import make_optimizer, make_schedule, make_steps, model_spec
 from examples.lm.timing import profile
 
 UsageError = cfg.UsageError
@@ -182,7 +174,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     # --------------------------------------------------------------------------- mesh
     # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
     rr.retain_freed_memory()
-    mesh = _mesh(args.mesh, multi=multi)
+    mesh = _mesh(args.mesh)
     # Process 0 writes the run's files, logs and prints; every process reads its own rows of
     # each batch (rows [p * b, (p + 1) * b) of the global batch, b = batch_size / processes).
     primary, process, processes = jax.process_index() == 0, jax.process_index(), jax.process_count()
@@ -225,12 +217,9 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         raise UsageError(f"data: {e}; prepare it again with: {rebuild}") from e
     except (CorpusError, ValueError) as e:
         raise UsageError(f"data: {e}") from e
-    rows = (args.batch_size, args.seq_len + 1)
-    put = lambda b: (
-        b
-        if mesh is None
-        else jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh)), b, rows)
-    )
+    put = lambda b: b if mesh is None else rs.put_batch(b, mesh, args.batch_size)
+    # the train state where the steps keep it: fresh zeros and restored arrays alike
+    place = lambda tree: tree if mesh is None else rs.place(tree, mesh)
 
     # --------------------------------------------------------------------------- model
     spec = model_spec(args, vocab_size)  # the tokenizer's vocabulary
@@ -246,7 +235,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     if fsdp and hf_dir is None:
         model = shard(model, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = place(params, mesh)
+    params = place(params)
     del model
     if init_from is not None:
         # Before the optimizer state is built from them: its fp32 masters start as copies of
@@ -256,8 +245,8 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     # --------------------------------------------------------------------------- optimizer
     tx = make_optimizer(args, mesh)
     lr_at = jax.jit(make_schedule(args, args.lr))  # the lr of update s is lr_at(s - 1)
-    opt_state = place(jax.jit(tx.init)(params), mesh)
-    acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32), mesh)
+    opt_state = place(jax.jit(tx.init)(params))
+    acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32))
 
     # --------------------------------------------------------------------------- step
     # --profile times each step repeatedly on the same inputs, which donation would delete.
@@ -537,29 +526,16 @@ def _default_data_dir(data: str | None) -> str:
     return "data/lm" if data is None else f"data/lm-{Path(data).stem}"
 
 
-def _mesh(spec: dict[str, int] | None, *, multi: bool) -> Mesh | None:
-    """The mesh of ``--mesh``; on CPU that many devices are simulated if JAX has not started
-    (alone: several processes' launcher gives each its share).
-
-    Its devices are in process order, each process's a contiguous block: the batch's rows
-    split over the mesh in that order, so process ``p``'s devices take rows ``[p * b, (p + 1)
-    * b)``, the rows it reads.
-    """
+def _mesh(spec: dict[str, int] | None) -> Mesh | None:
+    """The mesh of ``--mesh`` (``rudax.sharding.make_mesh``: every process's devices, in
+    process order, so process ``p``'s devices take rows ``[p * b, (p + 1) * b)`` of each
+    batch, the rows it reads); None without one."""
     if not spec:
         return None
-    n = math.prod(spec.values())
-    if not multi:
-        try:  # must precede the backend's start; afterwards the device count is what it is
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:
-            pass
-    if jax.device_count() != n:
-        has = f"{jax.device_count()} ({jax.devices()[0].platform})"
-        if multi:
-            has = f"{jax.process_count()} processes with {has} devices in all"
-        raise UsageError(f"--mesh {cfg.mesh_text(spec)} needs {n} devices, the run has {has}")
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(devices).reshape(tuple(spec.values())), tuple(spec))
+    try:
+        return rs.make_mesh(spec)
+    except ValueError as e:
+        raise UsageError(f"--mesh {e}") from None
 
 
 def _committed_steps(directory: Path, flag: str) -> list[int]:

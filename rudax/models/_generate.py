@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import rudax.sharding as rs
@@ -125,15 +125,12 @@ _STATIC = ("graphdef", "steps", "num_samples", "mode")
 _run = jax.jit(_decode, static_argnames=_STATIC)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "mesh", "axis", "key_impl"))
-def _run_fsdp(
-    graphdef: Any, state: Any, *inputs: Any, mesh: Mesh, axis: str, key_impl: Any, **static: Any
-) -> Any:
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "mesh", "axis"))
+def _run_fsdp(graphdef: Any, state: Any, *inputs: Any, mesh: Mesh, axis: str, **static: Any) -> Any:
     """``_decode`` of an FSDP model (``rudax.models.shard``'s form) over its mesh: every
     device runs the whole decode on the whole (replicated) prompts, each layer's parameters
     gathered when it is called, as in training. The devices compute the same tokens, so the
     result is replicated; the work is not split, only the parameters' memory is."""
-    inputs = (*inputs[:4], jax.random.wrap_key_data(inputs[4], impl=key_impl), *inputs[5:])
     decode = functools.partial(_decode, graphdef, **static)
     specs = (rs.shard_specs(state, axis), *[P()] * len(inputs))
     # check_vma off: the gathered parameters are equal on every device, which the all-gather's
@@ -316,16 +313,9 @@ def generate(
     else:
         mesh, axis = placement
         # Every process passes the same inputs: each made one array replicated over the whole
-        # mesh, of every process's devices, as a multi-process jit takes them (the key as its
-        # raw data: typed keys have no host form).
-        key = inputs[4]
-        raw = (*inputs[:4], jax.random.key_data(key), *inputs[5:])
-        replicated = NamedSharding(mesh, P())
-        placed = [jax.make_array_from_process_local_data(replicated, np.asarray(x)) for x in raw]
-        impl = jax.random.key_impl(key)
-        out, logps, steps = _run_fsdp(
-            graphdef, state, *placed, mesh=mesh, axis=axis, key_impl=impl, **static
-        )
+        # mesh, of every process's devices, as a multi-process jit takes them.
+        placed = [rs.replicate(x, mesh) for x in inputs]
+        out, logps, steps = _run_fsdp(graphdef, state, *placed, mesh=mesh, axis=axis, **static)
         out, logps, steps = (x.addressable_data(0) for x in (out, logps, steps))
     n = int(steps)
     tokens, logprobs = [], []

@@ -2,6 +2,10 @@
 
 Everything here runs inside ``jax.shard_map`` over a ``jax.sharding.Mesh`` (Auto axes from
 ``jax.sharding.Mesh(...)`` or Explicit axes from ``jax.make_mesh``) and is differentiable.
+Around such a step, a training program's mesh: ``parse_mesh`` / ``mesh_text`` (the
+``data=2,fsdp=4`` flag), ``make_mesh`` (every process's devices in process order),
+``state_shardings`` / ``place`` / ``replicate`` (the train state on it, what each process
+holds whole made global) and ``batch_sharding`` / ``put_batch`` (each process's rows).
 """
 
 # Public names, re-exported one per line (``from rudax.sharding._x import a as a``), each in
@@ -26,6 +30,17 @@ from rudax.sharding._fsdp import shard_specs as shard_specs
 # [block: memory]
 from rudax.sharding._memory import bytes_per_device as bytes_per_device
 
+# [block: mesh]
+from rudax.sharding._mesh import MESH_AXES as MESH_AXES
+from rudax.sharding._mesh import batch_sharding as batch_sharding
+from rudax.sharding._mesh import make_mesh as make_mesh
+from rudax.sharding._mesh import mesh_text as mesh_text
+from rudax.sharding._mesh import parse_mesh as parse_mesh
+from rudax.sharding._mesh import place as place
+from rudax.sharding._mesh import put_batch as put_batch
+from rudax.sharding._mesh import replicate as replicate
+from rudax.sharding._mesh import state_shardings as state_shardings
+
 # [block: muon]
 from rudax.sharding._muon import fsdp_muon as fsdp_muon
 
@@ -33,15 +48,24 @@ from rudax.sharding._muon import fsdp_muon as fsdp_muon
 from rudax.sharding._sharded_parameter import ShardedParameter as ShardedParameter
 
 __all__ = [
+    "MESH_AXES",
     "DataParallel",
     "MissingGradientPolicy",
     "ShardedModule",
     "ShardedParameter",
     "ShardingContext",
+    "batch_sharding",
     "bytes_per_device",
     "collectives",
     "fsdp_muon",
+    "make_mesh",
+    "mesh_text",
+    "parse_mesh",
+    "place",
+    "put_batch",
+    "replicate",
     "shard_specs",
+    "state_shardings",
     "vary_like",
     "varying_axes",
 ]

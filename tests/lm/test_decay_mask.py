@@ -24,7 +24,7 @@ import rudax.sharding as rs
 from examples.lm import step
 from examples.lm.config import build_parser
 from examples.lm.spec import shard
-from examples.lm.step import decay_mask, make_optimizer, make_schedule, model_spec, place
+from examples.lm.step import decay_mask, make_optimizer, make_schedule, model_spec
 
 SMALL = ["--vocab-size=64", "--seq-len=8", "--d-model=16", "--n-layers=1", "--n-heads=2"]
 MOE = ["--moe", "--num-experts=4", "--top-k=2"]
@@ -71,7 +71,8 @@ def _params(args, mesh=None):
     model = model_spec(args).create(0)
     if mesh is not None:
         model = shard(model, mesh)
-    return place(nnx.state(model, nnx.Param), mesh)
+    params = nnx.state(model, nnx.Param)
+    return params if mesh is None else rs.place(params, mesh)
 
 
 def _by_path(tree, is_leaf=None):

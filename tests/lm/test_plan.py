@@ -28,16 +28,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
+import rudax.sharding as rs
 from examples.finetune.train import make_steps as finetune_steps
 from examples.lm import plan as pl
 from examples.lm import plan_xla
 from examples.lm.spec import shard
-from examples.lm.step import batch_spec, make_optimizer, make_steps, place
+from examples.lm.step import make_optimizer, make_steps
 
 TOLERANCE = 0.35
 SMALL = "--vocab-size 2048 --d-model 128 --n-layers 4 --n-heads 4 --seq-len 128 --batch-size 16"
@@ -76,13 +77,13 @@ def test_pretraining_plan_agrees_with_xla(flags):
     if "fsdp" in spec:
         model = shard(model, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = place(params, mesh)
+    params = rs.place(params, mesh)
     tx = make_optimizer(args)
-    opt_state = place(jax.jit(tx.init)(params), mesh)
-    acc = place(ro.GradientAccumulator.init(params, jnp.float32), mesh)
+    opt_state = rs.place(jax.jit(tx.init)(params), mesh)
+    acc = rs.place(ro.GradientAccumulator.init(params, jnp.float32), mesh)
     steps = make_steps(graphdef, rest, tx, mesh=mesh, loss_chunk=model_spec.loss_chunk)
     batch = jnp.zeros((args.batch_size, model_spec.seq_len + 1), jnp.int32)
-    batch = jax.device_put(batch, NamedSharding(mesh, batch_spec(mesh)))
+    batch = jax.device_put(batch, rs.batch_sharding(mesh))
 
     apply = steps.apply.lower(params, opt_state, acc).compile()
     # jit prunes arguments a step never reads (keep_unused=False): the clip's last norm.
