@@ -36,6 +36,7 @@ from rudax.layers._merge_lora import merge_lora as merge_lora
 from rudax.layers._mlp import GatedMLP as GatedMLP
 from rudax.layers._moe import MoE as MoE
 from rudax.layers._moe import load_balancing_loss as load_balancing_loss
+from rudax.layers._moe import routed_experts as routed_experts
 from rudax.layers._nf4_linear import NF4Linear as NF4Linear
 from rudax.layers._nf4_linear import Quantized as Quantized
 from rudax.layers._norms import LayerNorm as LayerNorm
@@ -48,6 +49,7 @@ from rudax.layers._residuals import saved_for_backward as saved_for_backward
 from rudax.layers._rope import Llama3RopeScaling as Llama3RopeScaling
 from rudax.layers._rope import apply_rope as apply_rope
 from rudax.layers._rope import rope_frequencies as rope_frequencies
+from rudax.layers._scan import is_stacked as is_stacked
 from rudax.layers._scan import scan_layers as scan_layers
 from rudax.layers._scan import stack_layers as stack_layers
 from rudax.layers._scan import unstack_layers as unstack_layers
@@ -72,6 +74,7 @@ __all__ = [
     "TiedProjection",
     "apply_lora",
     "apply_rope",
+    "is_stacked",
     "load_adapter",
     "load_balancing_loss",
     "lookup",
@@ -79,6 +82,7 @@ __all__ = [
     "merge_lora",
     "remat",
     "rope_frequencies",
+    "routed_experts",
     "save_adapter",
     "saved_for_backward",
     "scan_layers",

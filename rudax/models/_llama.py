@@ -29,8 +29,7 @@ from jax.typing import DTypeLike
 
 import rudax.layers as rl
 from rudax._validation import float_dtype
-from rudax.layers._remat import Policy
-from rudax.layers._scan import is_stacked
+from rudax.layers._remat import Policy  # the names of rl.REMAT_POLICIES, as a type
 from rudax.models._kv_cache import KVCache
 from rudax.models._llama_config import LlamaConfig
 from rudax.models._llama_layers import INIT, LlamaDecoderLayer
@@ -157,7 +156,7 @@ class LlamaForCausalLM(nnx.Module):
         Setting it converts the storage in place (``rudax.layers.stack_layers`` /
         ``unstack_layers``): on the host, outside any transform, after LoRA is applied.
         """
-        return is_stacked(self.model.layers)
+        return rl.is_stacked(self.model.layers)
 
     @scan_layers.setter
     def scan_layers(self, value: bool) -> None:
@@ -173,7 +172,7 @@ class LlamaForCausalLM(nnx.Module):
     def _layer_modules(self) -> list[Any]:
         """The decoder layers' modules: one per layer, or the one stacked module."""
         layers = self.model.layers
-        return [layers] if is_stacked(layers) else list(layers)
+        return [layers] if rl.is_stacked(layers) else list(layers)
 
     def set_attention_impl(self, impl: str, *, interpret: bool = False) -> None:
         """``flash_attention``'s ``impl`` (and ``interpret``) in every layer."""
@@ -355,7 +354,7 @@ class LlamaForCausalLM(nnx.Module):
             cache.prompt_keys, cache.prompt_values, sample_keys, sample_values, strict=True
         )
         layers = self.model.layers
-        if is_stacked(layers):
+        if rl.is_stacked(layers):
             # Decoding a stacked model: each layer's slice, one at a time (a scan would need
             # the per-layer cache arrays stacked, a copy of the cache per token).
             graphdef, stacked = nnx.split(layers)

@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from rudax.layers._rope import Llama3RopeScaling
+from rudax.layers import Llama3RopeScaling
 from rudax.models import _llama_hf_json
 from rudax.models._llama_hf_json import ARCHITECTURES as _ARCHITECTURES
 from rudax.models._llama_hf_json import DTYPES as _DTYPES

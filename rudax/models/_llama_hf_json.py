@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 import numpy as np
 
-from rudax.layers._rope import Llama3RopeScaling
+from rudax.layers import Llama3RopeScaling
 from rudax.models import _hf_config_fields as policy
 
 if TYPE_CHECKING:  # the class calls in here; only its type is needed

@@ -16,7 +16,6 @@ from flax import nnx
 
 import rudax.kernels as rk
 import rudax.layers as rl
-from rudax.layers._rope import apply_rope
 from rudax.models._kv_cache import KVCache
 from rudax.models._llama_config import LlamaConfig
 from rudax.models._mixtral import MixtralSparseMoeBlock
@@ -72,7 +71,7 @@ class LlamaAttention(nnx.Module):
         k = self.k_proj(x_BxTxD).reshape(b, t, g, kd)
         v = self.v_proj(x_BxTxD).reshape(b, t, g, kd)
         table = None if cache_state is None else cache_state.size
-        rope = lambda y: apply_rope(
+        rope = lambda y: rl.apply_rope(
             y,
             positions=positions,
             theta=c.rope_theta,

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 import rudax.layers as rl
-from rudax.layers._moe import routed_experts
 from rudax.models._llama_config import LlamaConfig
 
 __all__ = ["MixtralExperts", "MixtralSparseMoeBlock", "load_balancing_loss"]
@@ -76,7 +75,7 @@ class MixtralSparseMoeBlock(nnx.Module):
         probs_NxE = jax.nn.softmax(self.gate(x_NxD).astype(jnp.float32), axis=-1)
         w = self.experts
         weights = [v[...].astype(self.dtype) for v in (w.w1, w.w3, w.w2)]
-        y_NxD, experts_NxK = routed_experts(
+        y_NxD, experts_NxK = rl.routed_experts(
             x_NxD, probs_NxE, *weights, top_k=c.num_experts_per_tok, impl=self.impl
         )
         real_N = (

@@ -17,8 +17,8 @@ from typing import Any
 from flax import nnx
 from jax.typing import DTypeLike
 
+import rudax.layers as rl
 import rudax.sharding as rs
-from rudax.layers._scan import is_stacked
 from rudax.models._llama import LlamaForCausalLM
 
 __all__ = ["shard"]
@@ -75,7 +75,7 @@ def shard(
     # ctx.module at every place: it shards whatever module sits there (a Linear, or the
     # LoRALinear apply_lora put in its place) exactly as the typed methods would.
     inner.embed_tokens = ctx.module(inner.embed_tokens, **kw)
-    stacked = is_stacked(inner.layers)
+    stacked = rl.is_stacked(inner.layers)
     # Layers stored stacked are one module: each of its sublayers sharded layer by layer,
     # and gathered one layer at a time by the scan that runs them.
     each: dict[str, Any] = dict(kw, stacked=stacked)
