@@ -26,10 +26,10 @@ from rudax.layers._dropout import Dropout as Dropout
 from rudax.layers._dtype import to_dtype as to_dtype
 from rudax.layers._embedding import Embedding as Embedding
 from rudax.layers._embedding import TiedProjection as TiedProjection
+from rudax.layers._frozen import Frozen as Frozen
 from rudax.layers._linear import Linear as Linear
 from rudax.layers._lookup import lookup as lookup
 from rudax.layers._lookup import sorted_segment_sum as sorted_segment_sum
-from rudax.layers._lora import Frozen as Frozen
 from rudax.layers._lora import LoRALinear as LoRALinear
 from rudax.layers._lora import LoRAParam as LoRAParam
 from rudax.layers._merge_lora import merge_lora as merge_lora

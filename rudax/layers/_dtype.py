@@ -12,7 +12,7 @@ from flax.nnx import filterlib
 from jax.typing import DTypeLike
 
 from rudax._validation import STORAGE_DTYPES
-from rudax.layers._lora import Frozen
+from rudax.layers._frozen import Frozen
 
 M = TypeVar("M", bound=nnx.Module)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -12,45 +11,16 @@ from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_positive, check_positive_int, float_dtype
 from rudax.layers._dropout import Dropout
+from rudax.layers._frozen import freeze
 from rudax.layers._linear import Linear
 from rudax.layers._matmul import rows_matmul
+from rudax.layers._nf4_linear import NF4Linear
 from rudax.layers._validation import check_features, check_rate
-
-if TYPE_CHECKING:
-    from rudax.layers._nf4_linear import NF4Linear
 
 _SCALE_RULES = ("alpha/rank", "alpha/sqrt(rank)")
 
 # peft's A init, torch's kaiming_uniform_(a=sqrt(5)): U(±sqrt(3 * (1/3) / in)) = U(±1/sqrt(in)).
 _DEFAULT_A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
-
-
-class Frozen(nnx.Variable):
-    """A parameter that is not trained: a ``Variable`` but not an ``nnx.Param``.
-
-    Filters that select ``nnx.Param`` (``nnx.state(model, nnx.Param)``, ``nnx.grad``'s and
-    ``nnx.Optimizer``'s default ``wrt``) skip it; ``rudax.layers.to_dtype`` converts it.
-    ``LoRALinear`` re-tags its base's parameters with it.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> import rudax.layers as rl
-      >>> model = nnx.Dict(w=nnx.Param(jnp.ones(2)), base=rl.Frozen(jnp.ones(2)))
-      >>> list(nnx.state(model, nnx.Param).keys())
-      ['w']
-    """
-
-
-def _freeze(module: nnx.Module) -> None:
-    """Re-tags every ``nnx.Param`` attribute of module as ``Frozen``, in place, without copies.
-
-    A variable the base shares with another module is replaced in the base only, so such a
-    tie is broken; freeze tied weights by hand if both uses should stay one variable.
-    """
-    for name, value in list(vars(module).items()):
-        if isinstance(value, nnx.Param):
-            setattr(module, name, Frozen.from_metadata(value.get_raw_value(), value.get_metadata()))
 
 
 class LoRAParam(nnx.Param):
@@ -150,9 +120,6 @@ class LoRALinear(nnx.Module):
         a_init: nnx.Initializer = _DEFAULT_A_INIT,
         rngs: nnx.Rngs,
     ):
-        # Imported here: NF4Linear's bias is a Frozen, defined in this module.
-        from rudax.layers._nf4_linear import NF4Linear
-
         if not isinstance(base, Linear | nnx.Linear | NF4Linear):
             raise TypeError(
                 f"base must be a rudax.layers.Linear or a flax.nnx.Linear (or a "
@@ -180,7 +147,7 @@ class LoRALinear(nnx.Module):
         self.dropout = Dropout(dropout, rngs=rngs if dropout > 0.0 else None)
         self.lora_a = LoRAParam(lora_a)
         self.lora_b = LoRAParam(jnp.zeros((rank, base.out_features), param_dtype))
-        _freeze(base)  # an NF4Linear has no nnx.Param: nothing to re-tag
+        freeze(base)  # an NF4Linear has no nnx.Param: nothing to re-tag
         self.base = base
 
     def __call__(self, x: ArrayLike, *, deterministic: bool | None = None) -> jax.Array:

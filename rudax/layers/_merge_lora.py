@@ -19,8 +19,9 @@ from rudax.layers._apply_lora import (
     default_names,
     named_modules,
 )
+from rudax.layers._frozen import Frozen
 from rudax.layers._linear import Linear
-from rudax.layers._lora import Frozen, LoRALinear
+from rudax.layers._lora import LoRALinear
 from rudax.layers._nf4_linear import NF4Linear
 
 __all__ = ["lora_modules", "merge_lora"]

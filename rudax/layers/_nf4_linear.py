@@ -12,8 +12,8 @@ from jax.typing import ArrayLike, DTypeLike
 
 from rudax._validation import check_bool, check_impl, float_dtype
 from rudax.kernels import NF4Tensor, nf4_matmul, nf4_quantize
+from rudax.layers._frozen import Frozen
 from rudax.layers._linear import Linear
-from rudax.layers._lora import Frozen
 from rudax.layers._validation import check_features
 
 

@@ -286,7 +286,9 @@ class LlamaConfig:
         Returns:
           A JSON-able dict; ``LlamaConfig.from_hf`` of it equals this config.
         """
-        return _llama_hf_json.to_hf(self)
+        return _llama_hf_json.to_hf(
+            {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        )
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -16,8 +16,10 @@ An absent field takes transformers' default for the ``model_type``.
 from __future__ import annotations
 
 import math
+import types
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +27,8 @@ import numpy as np
 from rudax.layers import Llama3RopeScaling
 from rudax.models import _hf_config_fields as policy
 
-if TYPE_CHECKING:  # the class calls in here; only its type is needed
-    from rudax.models._llama_config import LlamaConfig
+# The config class, which calls in here: this module never imports it (it imports this one).
+C = TypeVar("C")
 
 __all__ = ["ARCHITECTURES", "DTYPES", "from_hf", "to_hf"]
 
@@ -55,8 +57,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
-    """``cls.from_hf``: the config of a parsed ``config.json`` (module docstring)."""
+def from_hf(cls: Callable[..., C], hf: Any, param_dtype: Any) -> C:
+    """``LlamaConfig.from_hf``: ``cls(**fields)`` of a parsed ``config.json`` (module
+    docstring)."""
     if not isinstance(hf, dict):
         raise TypeError(f"hf must be a config.json's dict, got {type(hf).__name__}")
     family = hf.get("model_type")
@@ -178,7 +181,7 @@ def from_hf(cls: type[LlamaConfig], hf: Any, param_dtype: Any) -> LlamaConfig:
             for k in filled
         )
         raise type(e)(f"{CONFIG}: {e}{why}") from e
-    _layer_types(hf, config.num_hidden_layers, config.window is not None)
+    _layer_types(hf, hf["num_hidden_layers"], window is not None)
     return config
 
 
@@ -281,8 +284,10 @@ def _rope(
     return theta, scaling
 
 
-def to_hf(c: LlamaConfig) -> dict[str, Any]:
-    """``c.to_hf()``: the ``config.json`` both transformers versions read."""
+def to_hf(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``LlamaConfig.to_hf``: the ``config.json`` both transformers versions read, of the
+    config's fields (name -> value)."""
+    c = types.SimpleNamespace(**fields)
     rope: dict[str, Any] = {"rope_theta": c.rope_theta, "rope_type": "default"}
     scaling = None
     if c.rope_scaling is not None:
