@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 import rudax.kernels as rk
 import rudax.layers as rl
 from rudax.models._hf_mesh_load import Rounding, load_onto_mesh
-from rudax.models._hf_names import load_state
+from rudax.models._hf_names import hf_name, load_state
 from rudax.models._llama import LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig
 from rudax.models._safetensors import SafetensorsFile
@@ -219,7 +219,7 @@ def from_pretrained(
         def build() -> LlamaForCausalLM:
             model = LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
             if quantize == "nf4":
-                for parent, attr, linear, _ in _projections(model):
+                for parent, attr, linear, _, _ in _projections(model):
                     w = linear.kernel[...].T.astype(config.param_dtype)
                     bias = None if linear.bias is None else linear.bias[...]
                     q = rk.nf4_quantize(w, absmax_rounding=absmax_rounding)
@@ -251,18 +251,16 @@ def _finish(
 
 def _projections(
     model: LlamaForCausalLM,
-) -> Iterator[tuple[nnx.Module, str, rl.Linear, str]]:
-    """(parent, attribute, Linear, its Hugging Face name prefix) of each decoder projection
-    (``PROJECTIONS``); a Mixtral's experts are stacked arrays, not ``Linear`` layers."""
-    for i, layer in enumerate(model.model.layers):
-        for part in ("self_attn", "mlp"):
-            parent = getattr(layer, part, None)  # a Mixtral layer has no mlp
-            if parent is None:
-                continue
-            for attr in PROJECTIONS:
-                linear = getattr(parent, attr, None)
-                if isinstance(linear, rl.Linear):
-                    yield parent, attr, linear, f"model.layers.{i}.{part}.{attr}"
+) -> Iterator[tuple[nnx.Module, str, rl.Linear, str, str | None]]:
+    """(parent, attribute, Linear, its weight's and bias's file names) of each decoder
+    projection (``PROJECTIONS``), the names from ``_hf_names``' table; a Mixtral's experts are
+    stacked arrays, not ``Linear`` layers. The layers are not stacked yet: one name each."""
+    nodes = dict(nnx.iter_graph(model))
+    for path, node in nodes.items():
+        if isinstance(node, rl.Linear) and path and path[-1] in PROJECTIONS:
+            weight = hf_name((*path, "kernel"), node.kernel.shape)[0][0]
+            bias = None if node.bias is None else hf_name((*path, "bias"), node.bias.shape)[0][0]
+            yield nodes[path[:-1]], str(path[-1]), node, weight, bias
 
 
 def _quantize_projections(
@@ -271,8 +269,7 @@ def _quantize_projections(
     """Replaces each decoder projection by an NF4Linear of its tensor; the names it read."""
     used: set[str] = set()
     dtype = model.config.param_dtype
-    for parent, attr, linear, prefix in list(_projections(model)):
-        name = f"{prefix}.weight"
+    for parent, attr, linear, name, bias_name in list(_projections(model)):
         if name not in where:
             raise ValueError(f"{folder}: no tensor {name!r}")
         tensor = where[name].get_tensor(name)
@@ -299,8 +296,7 @@ def _quantize_projections(
         except ValueError as e:  # a size NF4's blocks do not divide
             raise ValueError(f"{folder}: {name} cannot be quantized to NF4 ({e})") from e
         bias = None
-        if linear.bias is not None:
-            bias_name = f"{prefix}.bias"
+        if bias_name is not None:
             bias = np.asarray(where[bias_name].get_tensor(bias_name)).astype(dtype)
             used.add(bias_name)
         setattr(parent, attr, rl.NF4Linear(q, bias, dtype=linear.dtype))
