@@ -11,12 +11,12 @@ sizes share one compiled program; the padding is masked, never attended to.
 
 Sampling follows transformers' ``generate``: greedy (``temperature=0``), or softmax sampling
 at a temperature after top-k, then top-p (nucleus) filtering of the logits. The temperature,
-k and p are traced values of the compiled program: a new value does not recompile.
+k and p are traced values of the compiled program: a new value does not recompile. This
+module checks the arguments and reads the result; the compiled program is ``_decode.py``'s.
 """
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, overload
@@ -25,16 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 import rudax.sharding as rs
+from rudax.models._decode import bucket, fsdp_placement, prefill, run, run_fsdp
 from rudax.models._kv_cache import KVCache
-from rudax.models._sampling import Mode, check_temperature, sample
+from rudax.models._sampling import Mode, check_temperature
 
 __all__ = ["Generation", "generate"]
 
-_MIN_BUCKET = 16
 # The most new tokens a call takes: the budget is rounded up to a power of two, and a
 # position (prompt length + step) must stay an int32.
 MAX_NEW_TOKENS = 2**30
@@ -52,100 +50,6 @@ class Generation(NamedTuple):
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
-
-
-def _bucket(n: int) -> int:
-    return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
-
-
-def _prefill(
-    model: Any, ids_BxP: jax.Array, lengths_B: jax.Array, *, steps: int, num_samples: int
-) -> tuple[jax.Array, KVCache]:
-    """The prompts run once: each sample's first logits ``[B * n, V]`` and the cache."""
-    b, p = ids_BxP.shape
-    pad_B = p - lengths_B
-    slot = jnp.arange(p)[None, :]
-    real_BxP = slot >= pad_B[:, None]
-    positions = jnp.where(real_BxP, slot - pad_B[:, None], 0).astype(jnp.int32)
-    cache = model.init_cache(b, p + steps, num_samples=num_samples)
-    h, cache, _ = model.hidden_states(
-        ids_BxP, positions=positions, segment_ids=real_BxP.astype(jnp.int32), cache=cache
-    )
-    # Left-padded, the last slot is every prompt's last token: the only logits needed.
-    logits = model.lm_head(h[:, -1:])[:, 0]
-    return jnp.repeat(logits, num_samples, axis=0), cache
-
-
-def _decode(
-    graphdef: Any,
-    state: Any,
-    ids_BxP: jax.Array,
-    lengths_B: jax.Array,
-    stops: jax.Array,
-    max_new: jax.Array,
-    key: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    *,
-    steps: int,
-    num_samples: int,
-    mode: Mode,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    model = nnx.merge(graphdef, state)
-    last, cache = _prefill(model, ids_BxP, lengths_B, steps=steps, num_samples=num_samples)
-    rows = last.shape[0]
-    lengths = jnp.repeat(lengths_B, num_samples)  # prompt-major, as the cache's sample rows
-    out = jnp.zeros((rows, steps), jnp.int32)
-    logps = jnp.zeros((rows, steps), jnp.float32)
-    done = jnp.zeros((rows,), bool)
-
-    def cond(carry: Any) -> Any:
-        step, _, _, done, _, _, _ = carry
-        return (step < max_new) & ~jnp.all(done)
-
-    def body(carry: Any) -> Any:
-        step, out, logps, done, last_BxV, cache, key = carry
-        key, sub = jax.random.split(key)
-        token, logp = sample(last_BxV, sub, temperature, top_k, top_p, mode)
-        token = jnp.where(done, 0, token)
-        out = out.at[:, step].set(token)
-        logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
-        done = done | jnp.any(token[:, None] == stops[None, :], axis=-1)
-        pos = (lengths + step).astype(jnp.int32)[:, None]
-        logits, cache = model(token[:, None], positions=pos, cache=cache)
-        return step + 1, out, logps, done, logits[:, -1], cache, key
-
-    carry = (jnp.zeros((), jnp.int32), out, logps, done, last, cache, key)
-    step, out, logps, _, _, _, _ = jax.lax.while_loop(cond, body, carry)
-    return out, logps, step
-
-
-_STATIC = ("graphdef", "steps", "num_samples", "mode")
-_run = jax.jit(_decode, static_argnames=_STATIC)
-
-
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "mesh", "axis"))
-def _run_fsdp(graphdef: Any, state: Any, *inputs: Any, mesh: Mesh, axis: str, **static: Any) -> Any:
-    """``_decode`` of an FSDP model (``rudax.models.shard``'s form) over its mesh: every
-    device runs the whole decode on the whole (replicated) prompts, each layer's parameters
-    gathered when it is called, as in training. The devices compute the same tokens, so the
-    result is replicated; the work is not split, only the parameters' memory is."""
-    decode = functools.partial(_decode, graphdef, **static)
-    specs = (rs.shard_specs(state, axis), *[P()] * len(inputs))
-    # check_vma off: the gathered parameters are equal on every device, which the all-gather's
-    # type does not say, so the replicated outputs could not be typed as such.
-    run = jax.shard_map(decode, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
-    return run(state, *inputs)
-
-
-def _fsdp_placement(model: nnx.Module) -> tuple[Mesh, str] | None:
-    """The mesh and axis of an FSDP model's ``ShardedModule``s; None for a model held whole."""
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, rs.ShardedModule) and len(node.variables):
-            storage = node.variables[0].get_value().local
-            return storage.sharding.mesh, node.axis_name
-    return None
 
 
 @overload
@@ -306,16 +210,16 @@ def generate(
         jnp.asarray(min(int(top_k or 1), 2**31 - 1), jnp.int32),
         jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
     )
-    static = dict(steps=_bucket(max_new_tokens), num_samples=int(num_samples), mode=mode)
-    placement = _fsdp_placement(model)
+    static = dict(steps=bucket(max_new_tokens), num_samples=int(num_samples), mode=mode)
+    placement = fsdp_placement(model)
     if placement is None:
-        out, logps, steps = _run(graphdef, state, *inputs, **static)
+        out, logps, steps = run(graphdef, state, *inputs, **static)
     else:
         mesh, axis = placement
         # Every process passes the same inputs: each made one array replicated over the whole
         # mesh, of every process's devices, as a multi-process jit takes them.
         placed = [rs.replicate(x, mesh) for x in inputs]
-        out, logps, steps = _run_fsdp(graphdef, state, *placed, mesh=mesh, axis=axis, **static)
+        out, logps, steps = run_fsdp(graphdef, state, *placed, mesh=mesh, axis=axis, **static)
         out, logps, steps = (x.addressable_data(0) for x in (out, logps, steps))
     n = int(steps)
     tokens, logprobs = [], []
@@ -391,7 +295,7 @@ def _check_stop_tokens(stop_tokens: Any) -> list[int]:
 
 def _pad(rows: list[list[int]]) -> tuple[jax.Array, jax.Array]:
     """The rows left-padded with 0 to a bucketed length ``[B, P]``, and their lengths."""
-    p = _bucket(max(len(row) for row in rows))
+    p = bucket(max(len(row) for row in rows))
     ids = np.zeros((len(rows), p), np.int32)
     for i, row in enumerate(rows):
         ids[i, p - len(row) :] = row
@@ -412,7 +316,7 @@ def _cache_shapes(
 
     def cache(state: Any, ids: jax.Array, lengths: jax.Array) -> KVCache:
         model = nnx.merge(graphdef, state)
-        steps = _bucket(max_new_tokens)
-        return _prefill(model, ids, lengths, steps=steps, num_samples=num_samples)[1]
+        steps = bucket(max_new_tokens)
+        return prefill(model, ids, lengths, steps=steps, num_samples=num_samples)[1]
 
     return jax.eval_shape(cache, state, ids, lengths)

@@ -19,7 +19,8 @@ from transformers.generation import logits_process as hf_warpers
 
 import rudax.layers as rl
 from rudax.models import Generation, LlamaConfig, LlamaForCausalLM, generate
-from rudax.models._generate import _cache_shapes, _run
+from rudax.models._decode import run as _run
+from rudax.models._generate import _cache_shapes
 from rudax.models._sampling import Mode, filter_logits
 from tests._catalog import Bad, Holds, catalog
 from tests.models._reference import hf_greedy
