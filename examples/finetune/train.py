@@ -58,7 +58,6 @@ import json
 import math
 import os
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -234,20 +233,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    # one of several processes that fails leaves at once, not at jax's exit barrier
-    with rr.fail_fast():
-        try:
-            with jax.numpy_dtype_promotion("strict"):
-                summary = finetune(args, given_flags(parser, argv))
-        except UsageError as e:
-            parser.error(str(e))
-        except rr.TrainingHalted as e:
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
-    if summary.get("interrupted"):  # saved, and the status says it did not finish: 128 + N
-        # as shells report a signal (another process's preemption notice: SIGTERM's)
-        raise SystemExit(128 + getattr(signal, summary["interrupted"], signal.SIGTERM))
-    return summary
+    return rr.run_program(
+        parser, lambda: finetune(args, given_flags(parser, argv)), usage_error=UsageError
+    )
 
 
 def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[str, Any]:

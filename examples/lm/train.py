@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -93,20 +92,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rr.add_distributed_flags(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    # one of several processes that fails leaves at once, not at jax's exit barrier
-    with rr.fail_fast():
-        try:
-            with jax.numpy_dtype_promotion("strict"):  # precision is explicit in rudax code
-                summary = train(args, cfg.given_flags(parser, argv))
-        except UsageError as e:
-            parser.error(str(e))
-        except rr.TrainingHalted as e:
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
-    if summary.get("interrupted"):  # saved, and the status says it did not finish: 128 + N
-        # as shells report a signal (another process's preemption notice: SIGTERM's)
-        raise SystemExit(128 + getattr(signal, summary["interrupted"], signal.SIGTERM))
-    return summary
+    return rr.run_program(
+        parser, lambda: train(args, cfg.given_flags(parser, argv)), usage_error=UsageError
+    )
 
 
 def train(args: Any, given: set[str]) -> dict[str, Any]:

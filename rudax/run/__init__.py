@@ -7,8 +7,10 @@ file reads as one run; ``read_metrics`` reads it back and ``plot_losses`` draws 
 anything: a non-finite loss, or non-finite weights about to be checkpointed (named by their
 pytree path). ``retain_freed_memory`` keeps XLA:CPU's per-step scratch memory mapped instead
 of faulting it in again each step (``MALLOC_ENV``: the same for a child process).
-``Interruptions`` turns Ctrl-C and a preemption's SIGTERM into a request the loop answers
-after its current update: save, then stop as ``--stop-at`` does (agreed by every process).
+``run_program`` ends a program's ``main`` the same in every program (exit statuses 2, 1,
+128 + signal). ``Interruptions`` turns Ctrl-C and a preemption's SIGTERM into a request the
+loop answers after its current update: save, then stop as ``--stop-at`` does (agreed by
+every process).
 
 ``python -m rudax.run.launch --processes N [--cpu-devices K] -- COMMAND`` runs a command as N
 ``jax.distributed`` processes on this machine (``rudax.run.launch.launch`` from Python), their
@@ -33,6 +35,7 @@ from rudax.run._interrupt import Interruptions as Interruptions
 from rudax.run._metrics import MetricsLog as MetricsLog
 from rudax.run._metrics import plot_losses as plot_losses
 from rudax.run._metrics import read_metrics as read_metrics
+from rudax.run._program import run_program as run_program
 
 __all__ = [
     "MALLOC_ENV",
@@ -49,4 +52,5 @@ __all__ = [
     "plot_losses",
     "read_metrics",
     "retain_freed_memory",
+    "run_program",
 ]
