@@ -18,8 +18,10 @@ from rudax.layers._validation import check_features
 class GatedMLP(nnx.Module):
     """A gated feed-forward block: ``y = down(act(gate(x)) * up(x))``, SwiGLU by default.
 
-    ``gate`` and ``up`` are ``Linear(features, hidden_features)``, ``down`` is
-    ``Linear(hidden_features, features)``, all computing in ``dtype`` (None: the input's)::
+    ``gate_proj`` and ``up_proj`` are ``Linear(features, hidden_features)``, ``down_proj`` is
+    ``Linear(hidden_features, features)``, all computing in ``dtype`` (None: the input's);
+    their names are transformers' (``LlamaMLP``'s), so LoRA targets and checkpoint names
+    carry over, and ``rudax.models``' Llama MLP is this layer::
 
         h = silu(x @ W_gate) * (x @ W_up)       (activation=jax.nn.silu, the default)
         h = act(x @ W_gate) * (x @ W_up)        (any other activation)
@@ -94,16 +96,16 @@ class GatedMLP(nnx.Module):
             kernel_init=kernel_init,
             rngs=rngs,
         )
-        self.gate = linear(features, hidden_features)
-        self.up = linear(features, hidden_features)
-        self.down = linear(hidden_features, features)
+        self.gate_proj = linear(features, hidden_features)
+        self.up_proj = linear(features, hidden_features)
+        self.down_proj = linear(hidden_features, features)
 
     def __call__(self, x: ArrayLike) -> jax.Array:
         x = jnp.asarray(x)
         check_features("GatedMLP", x, self.features)
-        gate, up = self.gate(x), self.up(x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         if self.activation is jax.nn.silu:
             h = silu_mul(gate, up, impl=self.impl, interpret=self.interpret)
         else:
             h = self.activation(gate) * up
-        return self.down(h)
+        return self.down_proj(h)

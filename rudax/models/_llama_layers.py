@@ -137,29 +137,21 @@ class LlamaAttention(nnx.Module):
         return out[:, None], (prompt_k, prompt_v, own_k, own_v)
 
 
-class LlamaMLP(nnx.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+class LlamaMLP(rl.GatedMLP):
+    """SwiGLU, ``down_proj(silu(gate_proj(x)) * up_proj(x))``: ``rudax.layers.GatedMLP`` of a
+    ``LlamaConfig`` (its widths, biases, storage dtype and transformers' initializer)."""
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, rngs: nnx.Rngs):
         c = config
-
-        def linear(n_in: int, n_out: int) -> rl.Linear:
-            return rl.Linear(
-                n_in,
-                n_out,
-                use_bias=c.mlp_bias,
-                dtype=dtype,
-                param_dtype=c.param_dtype,
-                kernel_init=INIT,
-                rngs=rngs,
-            )
-
-        self.gate_proj = linear(c.hidden_size, c.intermediate_size)
-        self.up_proj = linear(c.hidden_size, c.intermediate_size)
-        self.down_proj = linear(c.intermediate_size, c.hidden_size)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(rk.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        super().__init__(
+            c.hidden_size,
+            c.intermediate_size,
+            use_bias=c.mlp_bias,
+            dtype=dtype,
+            param_dtype=c.param_dtype,
+            kernel_init=INIT,
+            rngs=rngs,
+        )
 
 
 class LlamaDecoderLayer(nnx.Module):

@@ -14,13 +14,13 @@ from tests.optim._bad_input import rejects
 
 def gated_mlp_plain(x, p, activation, dtype):
     c = lambda a: a.astype(dtype)
-    gate, up = c(x) @ c(p["gate"]), c(x) @ c(p["up"])
+    gate, up = c(x) @ c(p["gate_proj"]), c(x) @ c(p["up_proj"])
     h = activation(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-    return c(h) @ c(p["down"])
+    return c(h) @ c(p["down_proj"])
 
 
 def kernels(mlp):
-    return {name: getattr(mlp, name).kernel[...] for name in ("gate", "up", "down")}
+    return {name: getattr(mlp, name).kernel[...] for name in ("gate_proj", "up_proj", "down_proj")}
 
 
 @pytest.mark.parametrize("activation", [jax.nn.silu, jax.nn.gelu], ids=["silu", "gelu"])
@@ -46,8 +46,8 @@ def test_forward_and_grad_match_plain_jnp(activation, x_dtype, param_dtype, dtyp
     x = normal((2, 3, 4), 1, x_dtype)
     y = mlp(x)
     assert y.shape == x.shape and y.dtype == out_dtype
-    assert mlp.gate.kernel.shape == (4, 6) and mlp.down.kernel.shape == (6, 4)
-    assert mlp.gate.bias is None and mlp.gate.kernel.dtype == param_dtype
+    assert mlp.gate_proj.kernel.shape == (4, 6) and mlp.down_proj.kernel.shape == (6, 4)
+    assert mlp.gate_proj.bias is None and mlp.gate_proj.kernel.dtype == param_dtype
     expected = gated_mlp_plain(x, kernels(mlp), activation, out_dtype)
     tol = dict(rtol=1e-5, atol=1e-6) if out_dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(expected, np.float32), **tol)
