@@ -38,14 +38,16 @@ class Attention(nnx.Module):
     attention) of ``K = head_dim`` channels (``features // num_heads`` by default). The
     projections, in one of two layouts:
 
-    * ``fused_qkv=True``: ``qkv``, one ``Linear(d, (H + 2G) K)`` (one matmul instead of
-      three) whose output is read as ``[q | k | v]``, each split into heads;
-    * ``fused_qkv=False``: ``q``, ``k``, ``v``, a ``Linear(d, H K)`` and two
-      ``Linear(d, G K)``: the layout of Hugging Face's ``q_proj``/``k_proj``/``v_proj``, in
-      which a LoRA adapter on one of them alone is exact (``rudax.layers.apply_lora``).
+    * ``fused_qkv=True``: ``qkv_proj``, one ``Linear(d, (H + 2G) K)`` (one matmul instead of
+      three) whose output is read as ``[q | k | v]``, each split into heads (Phi-3's layout);
+    * ``fused_qkv=False``: ``q_proj``, ``k_proj``, ``v_proj``, a ``Linear(d, H K)`` and two
+      ``Linear(d, G K)``: the layout of Hugging Face's Llama, in which a LoRA adapter on one
+      of them alone is exact (``rudax.layers.apply_lora``).
 
-    and ``out``, a ``Linear(H K, d)`` without bias (``o_proj``). q, k and v have biases only
-    with ``qkv_bias`` (Qwen2's layout). Every projection computes in ``dtype`` and the layer
+    and ``o_proj``, a ``Linear(H K, d)``. The names are transformers', so LoRA targets and
+    checkpoint names carry over; ``rudax.models``' Llama attention is this layer. q, k and v
+    have biases only with ``qkv_bias`` (Qwen2's layout), ``o_proj`` only with ``out_bias``
+    (Llama's ``attention_bias`` sets both). Every projection computes in ``dtype`` and the layer
     calls them (never reads their kernels), so ``rudax.sharding`` can swap them for their
     sharded forms and ``apply_lora`` for adapted ones.
 
@@ -65,6 +67,7 @@ class Attention(nnx.Module):
         ``features // num_heads``.
       fused_qkv: the projections' layout, above.
       qkv_bias: whether q, k and v have biases (initialized to zeros).
+      out_bias: whether ``o_proj`` has a bias (initialized to zeros).
       causal: whether query ``t`` sees only keys ``s <= t``.
       window: None, or ``(left, right)``, two ints >= 0: query ``t`` sees only keys
         ``t - left <= s <= t + right`` (Mistral's sliding window is ``(W - 1, 0)``).
@@ -73,9 +76,9 @@ class Attention(nnx.Module):
       rope_scaling: None, or a ``Llama3RopeScaling`` rewriting RoPE's frequencies.
       dtype: compute dtype; None for the input's.
       param_dtype: storage dtype of the kernels and biases.
-      kernel_init: initializer of the ``qkv`` kernel (of ``q``, ``k`` and ``v``'s);
-        N(0, 0.02) by default, GPT-2's.
-      out_init: initializer of the ``out`` kernel; N(0, 0.02) by default.
+      kernel_init: initializer of the ``qkv_proj`` kernel (of ``q_proj``, ``k_proj`` and
+        ``v_proj``'s); N(0, 0.02) by default, GPT-2's.
+      out_init: initializer of the ``o_proj`` kernel; N(0, 0.02) by default.
       impl: ``"auto"``, ``"pallas"``, ``"xla"`` or ``"cudnn"``, passed to
         ``rudax.kernels.flash_attention``.
       interpret: with ``impl="pallas"``, run the Pallas kernels in interpret mode (tests on
@@ -98,13 +101,13 @@ class Attention(nnx.Module):
       >>> attn(jnp.ones((1, 5, 8))).shape
       (1, 5, 8)
       >>> gqa = rl.Attention(16, 4, num_kv_heads=2, fused_qkv=False, rngs=nnx.Rngs(0))
-      >>> gqa.q.kernel.shape, gqa.k.kernel.shape, gqa(jnp.ones((1, 5, 16))).shape
+      >>> gqa.q_proj.kernel.shape, gqa.k_proj.kernel.shape, gqa(jnp.ones((1, 5, 16))).shape
       ((16, 16), (16, 8), (1, 5, 16))
       >>> seg, pos = jnp.array([[1, 1, 1, 2, 2]]), jnp.array([[0, 1, 2, 0, 1]])
       >>> attn(jnp.ones((1, 5, 8)), segment_ids=seg, positions=pos).shape
       (1, 5, 8)
       >>> wide = rl.Attention(8, 2, head_dim=6, window=(2, 0), rngs=nnx.Rngs(0))
-      >>> wide.qkv.kernel.shape, wide.out.kernel.shape
+      >>> wide.qkv_proj.kernel.shape, wide.o_proj.kernel.shape
       ((8, 36), (12, 8))
 
     References:
@@ -122,6 +125,7 @@ class Attention(nnx.Module):
         head_dim: int | None = None,
         fused_qkv: bool = True,
         qkv_bias: bool = False,
+        out_bias: bool = False,
         causal: bool = True,
         window: tuple[int, int] | None = None,
         softcap: float | None = None,
@@ -158,6 +162,7 @@ class Attention(nnx.Module):
             raise ValueError(f"num_kv_heads must divide num_heads={num_heads}, got {num_kv_heads=}")
         check_bool("fused_qkv", fused_qkv)
         check_bool("qkv_bias", qkv_bias)
+        check_bool("out_bias", out_bias)
         check_bool("causal", causal)
         check_bool("interpret", interpret)
         if rope_scaling is not None and not isinstance(rope_scaling, Llama3RopeScaling):
@@ -193,17 +198,19 @@ class Attention(nnx.Module):
         )
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         if fused_qkv:
-            self.qkv = linear(features, q_out + 2 * kv_out, kernel_init, qkv_bias)
+            self.qkv_proj = linear(features, q_out + 2 * kv_out, kernel_init, qkv_bias)
         else:
-            self.q = linear(features, q_out, kernel_init, qkv_bias)
-            self.k = linear(features, kv_out, kernel_init, qkv_bias)
-            self.v = linear(features, kv_out, kernel_init, qkv_bias)
-        self.out = linear(q_out, features, out_init, False)
+            self.q_proj = linear(features, q_out, kernel_init, qkv_bias)
+            self.k_proj = linear(features, kv_out, kernel_init, qkv_bias)
+            self.v_proj = linear(features, kv_out, kernel_init, qkv_bias)
+        self.o_proj = linear(q_out, features, out_init, out_bias)
 
     @property
     def projections(self) -> tuple[str, ...]:
         """The attribute names of the layer's projections, in their layout."""
-        return ("qkv", "out") if self.fused_qkv else ("q", "k", "v", "out")
+        if self.fused_qkv:
+            return ("qkv_proj", "o_proj")
+        return ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __call__(
         self,
@@ -218,34 +225,56 @@ class Attention(nnx.Module):
         if x_BxTxD.ndim != 3:
             raise ValueError(f"Attention expects x[B, T, d], got x.shape={x_BxTxD.shape}")
         b, t, _ = x_BxTxD.shape
+        q, k, v = self.project(x_BxTxD)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        out = self.attend(q, k, v, segment_ids=segment_ids, branch_ids=branch_ids)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+    def project(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``q[B, T, H, K]``, ``k[B, T, G, K]``, ``v[B, T, G, K]`` of ``x``: the projections
+        split into heads (for a caller that keeps keys and values, as a KV cache does)."""
+        b, t, _ = x_BxTxD.shape
         h, g, kd = self.num_heads, self.num_kv_heads, self.head_dim
         if not self.fused_qkv:
-            q = self.q(x_BxTxD).reshape(b, t, h, kd)
-            k = self.k(x_BxTxD).reshape(b, t, g, kd)
-            v = self.v(x_BxTxD).reshape(b, t, g, kd)
+            q = self.q_proj(x_BxTxD).reshape(b, t, h, kd)
+            k = self.k_proj(x_BxTxD).reshape(b, t, g, kd)
+            v = self.v_proj(x_BxTxD).reshape(b, t, g, kd)
         elif g == h:
-            qkv = self.qkv(x_BxTxD).reshape(b, t, 3, h, kd)
+            qkv = self.qkv_proj(x_BxTxD).reshape(b, t, 3, h, kd)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
-            q, k, v = jnp.split(self.qkv(x_BxTxD), [h * kd, (h + g) * kd], axis=-1)
+            q, k, v = jnp.split(self.qkv_proj(x_BxTxD), [h * kd, (h + g) * kd], axis=-1)
             q, k, v = q.reshape(b, t, h, kd), k.reshape(b, t, g, kd), v.reshape(b, t, g, kd)
-        rope = lambda y: apply_rope(
-            y, positions=positions, theta=self.rope_theta, scaling=self.rope_scaling
+        return q, k, v
+
+    def rope(
+        self, y: jax.Array, positions: jax.Array | None, *, table_size: int | None = None
+    ) -> jax.Array:
+        """``apply_rope`` of queries or keys at ``positions`` with the layer's theta and
+        scaling (``table_size``: the rows of its table, for positions a cache bounds)."""
+        return apply_rope(
+            y,
+            positions=positions,
+            theta=self.rope_theta,
+            scaling=self.rope_scaling,
+            table_size=table_size,
         )
-        out = rk.flash_attention(
-            rope(q),
-            rope(k),
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, **masks: Any) -> jax.Array:
+        """``rudax.kernels.flash_attention`` with the layer's mask, window, soft-cap and
+        kernel settings; ``masks``: ``segment_ids`` and ``branch_ids``."""
+        return rk.flash_attention(
+            q,
+            k,
             v,
             causal=self.causal,
-            segment_ids=segment_ids,
-            branch_ids=branch_ids,
             window=self.window,
             softcap=self.softcap,
             impl=self.impl,
             interpret=self.interpret,
             block=self.block,
+            **masks,
         )
-        return self.out(out.reshape(b, t, h * kd))
 
 
 def _check_window(window: Any) -> tuple[int, int] | None:

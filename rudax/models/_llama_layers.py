@@ -26,32 +26,36 @@ __all__ = ["INIT", "LlamaAttention", "LlamaDecoderLayer", "LlamaMLP"]
 INIT = nnx.initializers.normal(0.02)
 
 
-class LlamaAttention(nnx.Module):
-    """Grouped-query self-attention with RoPE: ``o_proj(attention(rope(q), rope(k), v))``."""
+class LlamaAttention(rl.Attention):
+    """Grouped-query self-attention with RoPE, ``o_proj(attention(rope(q), rope(k), v))``:
+    ``rudax.layers.Attention`` of a ``LlamaConfig``, plus the KV cache's prefill and decode.
+
+    A call returns ``(out, cache)``: without a cache the layer's own attention and None;
+    with one, prefill (the prompt block empty: the prompt's causal attention, its keys and
+    values becoming the block) or one decode step (``_decode``).
+    """
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.dtype = dtype
-        self.impl, self.interpret = "auto", False
         assert c.head_dim is not None and c.num_key_value_heads is not None  # filled by config
-        h, g, k = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-
-        def linear(n_in: int, n_out: int, bias: bool) -> rl.Linear:
-            return rl.Linear(
-                n_in,
-                n_out,
-                use_bias=bias,
-                dtype=dtype,
-                param_dtype=c.param_dtype,
-                kernel_init=INIT,
-                rngs=rngs,
-            )
-
-        self.q_proj = linear(c.hidden_size, h * k, c.qkv_bias)
-        self.k_proj = linear(c.hidden_size, g * k, c.qkv_bias)
-        self.v_proj = linear(c.hidden_size, g * k, c.qkv_bias)
-        self.o_proj = linear(h * k, c.hidden_size, c.o_bias)
+        super().__init__(
+            c.hidden_size,
+            c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            fused_qkv=False,  # transformers' q_proj, k_proj, v_proj
+            qkv_bias=c.qkv_bias,
+            out_bias=c.o_bias,
+            window=c.window,
+            rope_theta=c.rope_theta,
+            rope_scaling=c.rope_scaling,
+            dtype=dtype,
+            param_dtype=c.param_dtype,
+            kernel_init=INIT,
+            out_init=INIT,
+            rngs=rngs,
+        )
 
     def __call__(
         self,
@@ -63,41 +67,25 @@ class LlamaAttention(nnx.Module):
         cache: tuple[jax.Array, ...] | None = None,
         cache_state: KVCache | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
-        c = self.config
-        b, t, _ = x_BxTxD.shape
-        h, g, kd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        assert g is not None and kd is not None
-        q = self.q_proj(x_BxTxD).reshape(b, t, h, kd)
-        k = self.k_proj(x_BxTxD).reshape(b, t, g, kd)
-        v = self.v_proj(x_BxTxD).reshape(b, t, g, kd)
-        table = None if cache_state is None else cache_state.size
-        rope = lambda y: rl.apply_rope(
-            y,
-            positions=positions,
-            theta=c.rope_theta,
-            scaling=c.rope_scaling,
-            table_size=table,
-        )
-        q, k = rope(q), rope(k)
-        attend = lambda q, k, v, **kw: rk.flash_attention(
-            q, k, v, impl=self.impl, interpret=self.interpret, **kw
-        )
-        new_cache = None
         if cache is None or cache_state is None:
-            out = attend(
-                q, k, v, causal=True, segment_ids=segment_ids, branch_ids=branch_ids,
-                window=c.window,
-            )  # fmt: skip
-        elif cache[0].shape[2] == 0:
+            out = super().__call__(
+                x_BxTxD, segment_ids=segment_ids, branch_ids=branch_ids, positions=positions
+            )
+            return out, None
+        b, t, _ = x_BxTxD.shape
+        q, k, v = self.project(x_BxTxD)
+        q = self.rope(q, positions, table_size=cache_state.size)
+        k = self.rope(k, positions, table_size=cache_state.size)
+        if cache[0].shape[2] == 0:
             # Prefill (the prompt block is empty): the prompt's own causal attention; its keys
             # and values become the prompt block, kv-head-major (the cache's one transpose).
-            out = attend(q, k, v, causal=True, segment_ids=segment_ids, window=c.window)
+            out = self.attend(q, k, v, segment_ids=segment_ids)
             _, _, own_k, own_v = cache
             to_block = lambda x: x.transpose(0, 2, 1, 3).astype(own_k.dtype)
             new_cache = (to_block(k), to_block(v), own_k, own_v)
         else:
             out, new_cache = self._decode(q, k, v, positions, cache, cache_state)
-        return self.o_proj(out.reshape(b, t, h * kd)), new_cache
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
 
     def _decode(
         self,

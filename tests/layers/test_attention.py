@@ -60,10 +60,10 @@ def _np_layer(layer, x, seg=None, pos=None):
     w = lambda p: np.asarray(p.kernel.get_value(), np.float64)
     bias = lambda p: 0.0 if p.bias is None else np.asarray(p.bias.get_value(), np.float64)
     if layer.fused_qkv:
-        qkv = x @ w(layer.qkv) + bias(layer.qkv)
+        qkv = x @ w(layer.qkv_proj) + bias(layer.qkv_proj)
         q, k, v = np.split(qkv, [h * kd, (h + g) * kd], axis=-1)
     else:
-        q, k, v = (x @ w(p) + bias(p) for p in (layer.q, layer.k, layer.v))
+        q, k, v = (x @ w(p) + bias(p) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
     q, k, v = q.reshape(b, t, h, kd), k.reshape(b, t, g, kd), v.reshape(b, t, g, kd)
     pos = np.broadcast_to(np.arange(t), (b, t)) if pos is None else pos
     q, k = _np_rope(q, pos, layer.rope_theta), _np_rope(k, pos, layer.rope_theta)
@@ -87,7 +87,7 @@ def _np_layer(layer, x, seg=None, pos=None):
     total = p.sum(-1, keepdims=True)
     p = np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0)  # no key seen: zeros
     heads = np.einsum("bhts,bshk->bthk", p, v).reshape(b, t, h * kd)
-    return heads @ w(layer.out)
+    return heads @ w(layer.o_proj) + bias(layer.o_proj)
 
 
 _run = nnx.jit(lambda layer, x, s, p: layer(x, segment_ids=s, positions=p))
@@ -102,7 +102,7 @@ LAYOUTS = {
     "mha-fused": dict(),
     "mha-separate": dict(fused_qkv=False),
     "gqa-fused": dict(num_kv_heads=2, qkv_bias=True),
-    "gqa-separate": dict(num_kv_heads=2, fused_qkv=False, qkv_bias=True),
+    "gqa-separate": dict(num_kv_heads=2, fused_qkv=False, qkv_bias=True, out_bias=True),
     "mqa-head-dim-6": dict(num_kv_heads=1, head_dim=6),
 }
 
@@ -127,16 +127,16 @@ def test_compiles_once_per_shape():
 
 def test_projection_shapes_and_names_follow_the_layout():
     fused = rl.Attention(D, H, num_kv_heads=2, qkv_bias=True, rngs=nnx.Rngs(0))
-    assert fused.projections == ("qkv", "out") and fused.head_dim == 4
-    assert fused.qkv.kernel.shape == (D, (H + 2 * 2) * 4) and fused.qkv.bias.shape == (32,)
-    assert fused.out.kernel.shape == (H * 4, D) and fused.out.bias is None
+    assert fused.projections == ("qkv_proj", "o_proj") and fused.head_dim == 4
+    assert fused.qkv_proj.kernel.shape == (D, (H + 2 * 2) * 4) and fused.qkv_proj.bias.shape == (32,)
+    assert fused.o_proj.kernel.shape == (H * 4, D) and fused.o_proj.bias is None
     wide = rl.Attention(D, H, num_kv_heads=2, head_dim=8, fused_qkv=False, rngs=nnx.Rngs(0))
-    assert wide.projections == ("q", "k", "v", "out") and wide.q.bias is None
-    assert wide.q.kernel.shape == (D, 32) and wide.k.kernel.shape == (D, 16)
-    assert wide.v.kernel.shape == (D, 16) and wide.out.kernel.shape == (32, D)
-    assert not hasattr(wide, "qkv") and not hasattr(fused, "q")
+    assert wide.projections == ("q_proj", "k_proj", "v_proj", "o_proj") and wide.q_proj.bias is None
+    assert wide.q_proj.kernel.shape == (D, 32) and wide.k_proj.kernel.shape == (D, 16)
+    assert wide.v_proj.kernel.shape == (D, 16) and wide.o_proj.kernel.shape == (32, D)
+    assert not hasattr(wide, "qkv_proj") and not hasattr(fused, "q_proj")
     bf16 = rl.Attention(D, H, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    assert bf16.qkv.kernel.dtype == F and bf16(jnp.ones((1, 3, D), F)).dtype == jnp.bfloat16
+    assert bf16.qkv_proj.kernel.dtype == F and bf16(jnp.ones((1, 3, D), F)).dtype == jnp.bfloat16
 
 
 def _bites(layer, t=T):
@@ -247,6 +247,7 @@ test_bad_arguments = rejects(
         ({"num_kv_heads": 0}, ValueError, "num_kv_heads must be a positive int"),
         ({"fused_qkv": 1}, TypeError, "fused_qkv must be a bool, got fused_qkv=1"),
         ({"qkv_bias": None}, TypeError, "qkv_bias must be a bool"),
+        ({"out_bias": 1}, TypeError, "out_bias must be a bool"),
         ({"causal": "yes"}, TypeError, "causal must be a bool, got causal='yes'"),
         ({"window": 4}, TypeError, r"window must be None or a pair \(left, right\).*window=4"),
         ({"window": (1, 2, 3)}, TypeError, r"window must be .*window=\(1, 2, 3\)"),
