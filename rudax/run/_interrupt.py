@@ -5,11 +5,11 @@ A training loop that dies at the signal loses every update since its last checkp
 the signal, lets the loop finish the update it is in, and answers ``stop_after(step)`` with
 True, so the loop saves a checkpoint and ends the way ``--stop-at`` ends it.
 
-One process: SIGINT and SIGTERM each set the request. A second SIGINT is Python's own
-``KeyboardInterrupt`` again (for a loop stuck in something that never finishes).
+Without ``jax.distributed``: SIGINT and SIGTERM each set the request. A second SIGINT is
+Python's own ``KeyboardInterrupt`` again (for a loop stuck in something that never finishes).
 
-Several processes (``jax.distributed``): every process must stop after the same update, or
-the ones still training wait for the others in their next collective. jax already agrees on
+Under ``jax.distributed`` (one process or several): every process must stop after the same
+update, or the ones still training wait for the others in their next collective. jax agrees on
 that step for a preemption: SIGTERM is its preemption notice, spread to every process through
 the coordination service, and ``multihost_utils.reached_preemption_sync_point(step)`` is True
 on all of them at the same step (the largest step any process had reached, plus one).
@@ -41,8 +41,8 @@ class Interruptions:
     "SIGTERM"; "a preemption notice" when another process received it).
 
     The handlers are put in on entry and the old ones back on exit; outside the main thread
-    (where Python allows no handlers) nothing is caught and ``stop_after`` is always False
-    on one process.
+    (where Python allows no handlers) nothing is caught and, without ``jax.distributed``,
+    ``stop_after`` is always False.
 
     Example:
       >>> import os, signal
@@ -84,7 +84,9 @@ class Interruptions:
     def __enter__(self) -> Interruptions:
         if threading.current_thread() is not threading.main_thread():
             return self
-        self._multi = jax.process_count() > 1
+        # jax.distributed (one process or several): SIGTERM is its preemption notice, its
+        # handler installed by jax.distributed.initialize, and the sync point answers.
+        self._multi = jax.distributed.is_initialized()
         # With several processes SIGTERM stays jax's preemption notice. A handler installed
         # outside Python (getsignal None) could not be put back: it is left alone.
         for sig in (signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM):

@@ -122,13 +122,19 @@ def test_a_killed_process_ends_the_other_within_the_heartbeat_timeout(data, tmp_
     assert "Task 1 heartbeat timeout" in text or "stopped sending heartbeats" in text, text[-3000:]
 
 
-def test_ctrl_c_to_the_launcher_saves_every_process_at_one_update_and_resumes(data, tmp_path):
-    """Ctrl-C to ``python -m rudax.run.launch``: each process finishes the update it is in,
-    they agree on one update (jax's preemption sync point), save it and exit 130; the run
-    resumes from it."""
-    run = tmp_path / "ctrl-c"
+@pytest.mark.parametrize(("processes", "sig"), [(2, signal.SIGINT), (1, signal.SIGTERM)])
+def test_a_signal_to_the_launcher_saves_every_process_at_one_update_and_resumes(
+    data, tmp_path, processes, sig
+):
+    """Ctrl-C (or a preemption's SIGTERM) to ``python -m rudax.run.launch``: each process
+    finishes the update it is in, they agree on one update (jax's preemption sync point, also
+    for one process under jax.distributed, whose SIGTERM handler is jax's), save it and exit
+    128 + the signal; the run resumes from it."""
+    run = tmp_path / "signalled"
     args = [*data, *FLAGS, "--steps", "100000", "--checkpoint-every", "1000", "--run-dir", str(run)]
-    launch = [sys.executable, "-m", "rudax.run.launch", "--processes", "2", "--cpu-devices", "4"]
+    devices = str(8 // processes)
+    launch = [sys.executable, "-m", "rudax.run.launch", "--processes", str(processes)]
+    launch += ["--cpu-devices", devices]
     launcher = subprocess.Popen(
         [*launch, "--", sys.executable, "-m", "examples.lm.train", *args],
         env=repo_env(),
@@ -142,19 +148,20 @@ def test_ctrl_c_to_the_launcher_saves_every_process_at_one_update_and_resumes(da
         while not metrics.exists() or '"kind": "train"' not in metrics.read_text():
             assert time.monotonic() < deadline and launcher.poll() is None, "no update"
             time.sleep(0.2)
-        launcher.send_signal(signal.SIGINT)
+        launcher.send_signal(sig)
         out, _ = launcher.communicate(timeout=120)
     finally:
         launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGINT, out
+    assert launcher.returncode == 128 + sig, out
     assert "Traceback" not in out, out
     stopped = [line for line in out.splitlines() if "stopped at update" in line]
     assert len(stopped) == 1 and stopped[0].startswith("[0] stopped at update"), out
     step = int(stopped[0].split("stopped at update ")[1].split()[0])
-    assert "(SIGINT); continue with: python -m examples.lm.train --resume" in stopped[0]
+    name = signal.Signals(sig).name if processes > 1 else "a preemption notice"
+    assert f"({name}); continue with: python -m examples.lm.train --resume" in stopped[0]
     assert (run / "checkpoints" / str(step)).is_dir()
     assert [r["step"] for r in _rows(run) if r["kind"] == "train"] == list(range(1, step + 1))
-    code, out = _launch(2, ["--resume", "--run-dir", str(run), "--stop-at", str(step + 1)])
+    code, out = _launch(processes, ["--resume", "--run-dir", str(run), "--stop-at", str(step + 1)])
     assert code == 0, out
     assert f"[0] resumed {run} at update {step}" in out
     assert [r["step"] for r in _rows(run) if r["kind"] == "train"][-1] == step + 1
