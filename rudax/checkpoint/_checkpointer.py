@@ -41,11 +41,8 @@ never be "the latest" that makes later saves no-ops. A writer holds the director
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -63,6 +60,7 @@ from rudax.checkpoint._keys import data_template, key_data, rewrap
 from rudax.checkpoint._lock import DirectoryLock, hold
 from rudax.checkpoint._meta import Meta, parse_meta
 from rudax.checkpoint._meta_handler import MetaHandler, MetaRestore, MetaSave, exchange_key
+from rudax.checkpoint._orbax_log import without_read_only_notice
 from rudax.checkpoint._paths import (
     ARRAYS,
     META,
@@ -209,7 +207,7 @@ class Checkpointer:
             meta_handler = MetaHandler()
             registry.add(META, MetaSave, meta_handler)
             registry.add(META, MetaRestore, meta_handler)
-            with _without_read_only_notice():
+            with without_read_only_notice():
                 self._manager = ocp.CheckpointManager(
                     self.directory, options=options, handler_registry=registry
                 )
@@ -573,21 +571,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _ReadOnlyNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Given directory is read only")
-
-
-@contextlib.contextmanager
-def _without_read_only_notice() -> Iterator[None]:
-    """Drops orbax's ``WARNING:absl:Given directory is read only=...``, logged by every
-    read-only CheckpointManager: asked for, it is what a restore is, and users read the
-    warning as a problem. absl logs through the ``absl`` logger; nothing else is dropped."""
-    logger, notice = logging.getLogger("absl"), _ReadOnlyNotice()
-    logger.addFilter(notice)
-    try:
-        yield
-    finally:
-        logger.removeFilter(notice)
