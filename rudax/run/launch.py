@@ -87,6 +87,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TextIO
 
+from rudax.run._child_output import PROGRESS_EVERY, ChildLines, write_bytes
+
 __all__ = [
     "PROGRESS_EVERY",
     "TIMEOUT_STATUS",
@@ -97,14 +99,9 @@ __all__ = [
     "main",
 ]
 
-# Seconds between two shown states of one child's redrawn (\r) line: a progress bar redraws
-# ten times a second, which as whole lines would bury everything else.
-PROGRESS_EVERY = 5.0
 # The exit status of a run stopped by --timeout (that of coreutils' `timeout`).
 TIMEOUT_STATUS = 124
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-# A line longer than this without a newline is passed on in pieces (memory stays bounded).
-_MAX_LINE = 1 << 16
 # After a child exits, how long its last output may take to arrive before it is reported.
 _DRAIN_SECONDS = 1.0
 # The command is named in a report up to this many characters.
@@ -158,69 +155,6 @@ def child_env(
     return env
 
 
-def _write(stream: TextIO, data: bytes) -> None:
-    """Writes ``data`` to a text stream: as bytes where it has a binary buffer, else decoded."""
-    buffer = getattr(stream, "buffer", None)
-    if buffer is not None:
-        stream.flush()  # text written before must come first
-        buffer.write(data)
-        buffer.flush()
-    else:
-        stream.write(data.decode("utf-8", errors="replace"))
-        stream.flush()
-
-
-class _Lines:
-    """One child stream cut into whole lines, each written with the rank's prefix."""
-
-    def __init__(self, prefix: bytes, out: TextIO):
-        self._prefix = prefix
-        self._out = out
-        self._pending = b""  # the line so far: no newline in it
-        self._progress_at = -math.inf  # when a redrawn state was last shown
-        self._progress_shown = b""
-
-    def feed(self, data: bytes, now: float) -> None:
-        *lines, self._pending = (self._pending + data).split(b"\n")
-        shown = []
-        for line in lines:
-            text = _as_shown(line)
-            if text is not None and not (b"\r" in line and text == self._progress_shown):
-                shown.append(text)
-            self._progress_at, self._progress_shown = -math.inf, b""
-        if b"\r" in self._pending:
-            # What a terminal shows now: the text after the last \r (tqdm writes "\r" + state).
-            head, _, tail = self._pending.rpartition(b"\r")
-            state = (tail if tail.strip() else head.rpartition(b"\r")[2]).rstrip()
-            self._pending = b"\r" + tail  # earlier states are overdrawn: forget them
-            if state and now - self._progress_at >= PROGRESS_EVERY:
-                shown.append(state)
-                self._progress_at, self._progress_shown = now, state
-        if len(self._pending) >= _MAX_LINE:
-            text = _as_shown(self._pending)
-            if text is not None and text != self._progress_shown:
-                shown.append(text)
-            self._pending = b""
-        if shown:
-            _write(self._out, b"".join(self._prefix + s + b"\n" for s in shown))
-
-    def close(self) -> None:
-        """Writes what is left of an unfinished last line."""
-        pending, self._pending = self._pending, b""
-        text = _as_shown(pending) if pending else None
-        if text is not None and text != self._progress_shown:
-            _write(self._out, self._prefix + text + b"\n")
-
-
-def _as_shown(line: bytes) -> bytes | None:
-    """A finished line as a terminal shows it; None for one that was drawn over to blank."""
-    line = line.removesuffix(b"\r")  # \r\n line ends
-    if b"\r" not in line:
-        return line
-    text = line.rpartition(b"\r")[2].rstrip()
-    return text or None
-
-
 def _describe(returncode: int) -> tuple[str, int]:
     """How a child ended, in words, and the launcher's exit status for it."""
     if returncode < 0:
@@ -243,8 +177,8 @@ class _Child:
         self.proc = proc
         self.streams = (proc.stdout, proc.stderr)
         self.lines = {
-            proc.stdout.fileno(): _Lines(prefix, out),
-            proc.stderr.fileno(): _Lines(prefix, err),
+            proc.stdout.fileno(): ChildLines(prefix, out),
+            proc.stderr.fileno(): ChildLines(prefix, err),
         }
         self.open = 2  # streams not yet at end of file
 
@@ -323,7 +257,7 @@ def launch(
         shown_command = shown_command[: _MAX_SHOWN - 3] + "..."
 
     def report(message: str) -> None:
-        _write(err, f"[launch] {message}\n".encode())
+        write_bytes(err, f"[launch] {message}\n".encode())
 
     received: list[int] = []
     restore = _catch_signals(received.append)
