@@ -3,8 +3,8 @@
     python -m benchmarks.finetune_mesh                         # CPU or the machine's GPU
     python -m benchmarks.finetune_mesh --rounds 5 --json out.json
 
-``examples.finetune`` without ``--mesh`` runs ``examples.finetune.train.make_steps``; with
-``--mesh fsdp=1`` it runs ``examples/finetune/mesh.py``'s: the same model sharded over a
+``examples.finetune`` runs ``rudax.sharding.make_train_steps``: without ``--mesh`` on one
+device; with ``--mesh fsdp=1`` over the mesh: the same model sharded over a
 one-device ``fsdp`` axis (``rudax.models.shard``: every weight a flat ``ShardedParameter``,
 gathered inside ``jax.shard_map``), the step in ``shard_map``. On one device the gathers and
 reduce-scatters are copies at most; this measures what the sharded path costs where it
@@ -35,8 +35,6 @@ import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
 from benchmarks._timing import alternate, ratio_summary
-from examples.finetune import mesh as mesh_
-from examples.finetune.train import ALL_PROJECTIONS, make_steps
 
 
 def _model(hidden: int, layers: int, vocab: int) -> rm.LlamaForCausalLM:
@@ -46,7 +44,7 @@ def _model(hidden: int, layers: int, vocab: int) -> rm.LlamaForCausalLM:
     model = rm.LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     rl.apply_lora(
         model,
-        list(ALL_PROJECTIONS),
+        list(rm.PROJECTIONS),
         rank=8,
         alpha=16.0,
         quantize_base="nf4",
@@ -68,7 +66,9 @@ def _batch(rows: int, seq: int, vocab: int) -> dict[str, np.ndarray]:
 
 def _arm(model: rm.LlamaForCausalLM, mesh: Mesh | None, batch: dict[str, np.ndarray]) -> Any:
     """A step closure on its own copy of the state, and its first loss sum."""
-    trained = nnx.clone(model) if mesh is None else mesh_.shard(nnx.clone(model), mesh)
+    trained = nnx.clone(model)
+    if mesh is not None:  # FSDP over the one-device fsdp axis, as examples.finetune holds it
+        trained = rm.shard(trained, rs.ShardingContext(mesh, "fsdp"))
     trained.eval()
     eval_def = nnx.graphdef(trained)
     trained.train()
@@ -76,14 +76,16 @@ def _arm(model: rm.LlamaForCausalLM, mesh: Mesh | None, batch: dict[str, np.ndar
     tx = optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3, weight_decay=0.0))
     opt_state = tx.init(adapters)
     acc = ro.GradientAccumulator.init(adapters, jnp.float32)
+    steps = rs.make_train_steps(
+        graphdef, tx, rm.causal_lm_loss_sum, mesh=mesh, eval_graphdef=eval_def
+    )
+    micro, apply = steps.micro, steps.apply
     if mesh is None:
-        micro, apply, _ = make_steps(graphdef, eval_def, tx)
         placed = batch
     else:
         adapters, rngs, base, opt_state, acc = rs.place(
             (adapters, rngs, base, opt_state, acc), mesh
         )
-        micro, apply, _ = mesh_.make_steps(graphdef, eval_def, tx, mesh)
         placed = rs.put_batch(batch, mesh, len(batch["tokens"]))
     state = {"adapters": adapters, "rngs": rngs, "opt": opt_state, "acc": acc}
 

@@ -13,8 +13,8 @@ Two programs, as they run over ``--mesh data=D,fsdp=F``:
   ``tests/finetune/conftest.py::tiny_base`` saves one (nothing downloaded), read back with
   ``rudax.models.from_pretrained(quantize="nf4")`` (every projection NF4, the embedding,
   norms and head bf16), rank-``--rank`` adapters on every projection, ``--dropout 0``,
-  sharded, placed and stepped by ``examples/finetune/mesh.py`` (``shard``, ``place``,
-  ``make_steps``, ``put_batch``'s layout).
+  sharded by ``rudax.models.shard``, placed by ``rudax.sharding.place`` and stepped by
+  ``rudax.sharding.make_train_steps``, as ``examples.finetune`` runs them.
 
 **Bytes per device** are the placed arrays' ``addressable_shards[0].data.nbytes`` summed, at
 one device (the unsharded state), and over ``data=2,fsdp=4`` and ``fsdp=8`` (the data replicas
@@ -80,12 +80,9 @@ import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.finetune import mesh as ft_mesh
-from examples.finetune.train import ALL_PROJECTIONS
-from examples.finetune.train import make_steps as one_device_finetune_steps
 from examples.lm.config import build_parser
-from examples.lm.spec import shard
-from examples.lm.step import make_optimizer, make_steps, model_spec
+from examples.lm.spec import loss_sum, shard
+from examples.lm.step import make_optimizer, model_spec
 
 N = 8
 MESHES = ("data=2,fsdp=4", "fsdp=8")
@@ -293,14 +290,15 @@ def trainer(
     model = spec.create(0)
     if the_mesh is not None and "fsdp" in the_mesh.axis_names:
         model = shard(model, the_mesh)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
     place = lambda tree: tree if the_mesh is None else rs.place(tree, the_mesh)
-    params = place(params)
+    params, rngs, rest = place((params, rngs, rest))
     tx = make_optimizer(args, the_mesh)
     opt_state = place(jax.jit(tx.init)(params))
     init_acc = jax.jit(ro.GradientAccumulator.init, static_argnums=1)
     acc = place(init_acc(params, jnp.float32))
-    run = make_steps(graphdef, rest, tx, mesh=the_mesh, loss_chunk=spec.loss_chunk)
+    loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+    run = rs.make_train_steps(graphdef, tx, loss, mesh=the_mesh, donate=True)
     sharding = None if the_mesh is None else rs.batch_sharding(the_mesh)
     batch = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32, sharding=sharding)
 
@@ -314,7 +312,7 @@ def trainer(
                "optimizer state": _without_masters(opt_state), "accumulator": acc},
         logical={"params": logical, "fp32 masters": fp32(logical),
                  "optimizer state": _without_masters(logical_opt), "accumulator": logical_acc},
-        micro=run.micro, micro_args=(params, acc, batch),
+        micro=run.micro, micro_args=(params, rngs, acc, rest, batch),
         apply=run.apply, apply_args=(params, opt_state, acc),
         gathered=("params",),
         gather_dtype=jnp.float32,  # examples.lm.spec.shard: gathered and reduced in fp32
@@ -384,10 +382,12 @@ def finetuner(base_dir: Path, args: argparse.Namespace, *, mesh: str | None) -> 
     the_mesh = make_mesh(mesh)
     model = rm.from_pretrained(base_dir, param_dtype=jnp.bfloat16, dtype=jnp.float32,
                                quantize="nf4")  # fmt: skip
-    rl.apply_lora(model, list(ALL_PROJECTIONS), rank=args.rank, alpha=2.0 * args.rank,
+    rl.apply_lora(model, list(rm.PROJECTIONS), rank=args.rank, alpha=2.0 * args.rank,
                   dropout=0.0, rngs=nnx.Rngs(0))  # fmt: skip
     logical = _finetune_parts(model)
-    trained = model if the_mesh is None else ft_mesh.shard(model, the_mesh)
+    trained = model
+    if the_mesh is not None and "fsdp" in the_mesh.axis_names:
+        trained = rm.shard(model, rs.ShardingContext(the_mesh, "fsdp"))
     trained.eval()
     eval_def = nnx.graphdef(trained)
     trained.train()
@@ -396,13 +396,14 @@ def finetuner(base_dir: Path, args: argparse.Namespace, *, mesh: str | None) -> 
     tx = optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3, weight_decay=0.0))
     opt_state = tx.init(adapters)
     acc = ro.GradientAccumulator.init(adapters, jnp.float32)
-    if the_mesh is None:
-        micro, apply, _ = one_device_finetune_steps(graphdef, eval_def, tx)
-        sharding = None
-    else:
+    steps = rs.make_train_steps(
+        graphdef, tx, rm.causal_lm_loss_sum, mesh=the_mesh, eval_graphdef=eval_def
+    )
+    micro, apply = steps.micro, steps.apply
+    sharding = None
+    if the_mesh is not None:
         adapters, rngs, base = rs.place((adapters, rngs, base), the_mesh)
         opt_state, acc = rs.place((opt_state, acc), the_mesh)
-        micro, apply, _ = ft_mesh.make_steps(graphdef, eval_def, tx, the_mesh)
         sharding = rs.batch_sharding(the_mesh)
     shape = (args.batch_size, args.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)

@@ -19,6 +19,7 @@ backward.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -112,14 +113,17 @@ class _Run:
 
         import rudax.models as rm
         import rudax.optim as ro
-        from examples.lm.step import make_optimizer, make_steps, model_spec
+        import rudax.sharding as rs
+        from examples.lm.spec import loss_sum
+        from examples.lm.step import make_optimizer, model_spec
 
         spec = model_spec(trainer)
         config = spec.config
         model = spec.create(trainer.seed)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, self.rngs, self.rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
         tx = make_optimizer(trainer)
-        self.steps = make_steps(graphdef, rest, tx, mesh=None, loss_chunk=spec.loss_chunk)
+        loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+        self.steps = rs.make_train_steps(graphdef, tx, loss, donate=True)
         acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
         self.state = (params, tx.init(params), acc)
         shape = (trainer.batch_size, trainer.seq_len + 1)
@@ -131,7 +135,7 @@ class _Run:
 
     def step(self) -> Any:
         params, opt_state, acc = self.state
-        acc, metrics = self.steps.micro(params, acc, self.batch)
+        acc, _, metrics = self.steps.micro(params, self.rngs, acc, self.rest, self.batch)
         params, opt_state, acc, _ = self.steps.apply(params, opt_state, acc)
         self.state = (params, opt_state, acc)
         self.losses.append(

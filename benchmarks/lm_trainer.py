@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -83,14 +84,15 @@ from flax import nnx
 
 import rudax.models as rm
 import rudax.optim as ro
+import rudax.sharding as rs
 from benchmarks._flax_llama import flat_params, flax_arm
 from benchmarks._lm_arms import JaxArm, TorchArm, torch_python, torch_spec
 from benchmarks._stats import ratio_interval
 from benchmarks._timing import alternate, ratio_summary
 from examples.lm.config import build_parser
 from examples.lm.report import format_table
-from examples.lm.spec import ModelSpec
-from examples.lm.step import make_optimizer, make_steps, model_spec
+from examples.lm.spec import ModelSpec, loss_sum
+from examples.lm.step import make_optimizer, model_spec
 from rudax.run import MALLOC_ENV, retain_freed_memory
 
 ARMS = ("rudax", "flax+optax", "torch", "torch.compile")
@@ -138,15 +140,17 @@ def trainer_args(preset: str, compute_dtype: str, param_dtype: str) -> argparse.
 def rudax_arm(
     args: argparse.Namespace, spec: ModelSpec, model: rm.LlamaForCausalLM, batch: jax.Array
 ) -> JaxArm:
-    """The trainer's step: ``examples.lm.step``'s ``micro`` then ``apply``, one window."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    """The trainer's step: ``rudax.sharding.make_train_steps``' ``micro`` then ``apply`` of the
+    trainer's loss, one window."""
+    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
     tx = make_optimizer(args)
-    steps = make_steps(graphdef, rest, tx, mesh=None, loss_chunk=spec.loss_chunk)
+    loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+    steps = rs.make_train_steps(graphdef, tx, loss, donate=True)
     acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
 
     def step(state):
         params, opt_state, acc = state
-        acc, metrics = steps.micro(params, acc, batch)
+        acc, _, metrics = steps.micro(params, rngs, acc, rest, batch)
         params, opt_state, acc, _ = steps.apply(params, opt_state, acc)
         return (params, opt_state, acc), metrics
 

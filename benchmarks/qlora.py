@@ -84,8 +84,8 @@ LABELS = {
     "bnb": "bitsandbytes-4bit + peft QLoRA (CPU, fp32 compute)",
 }
 BASELINE = "torch"
-# The same names as examples/finetune/train.py's ALL_PROJECTIONS (peft's target_modules);
-# written out so the parent process need not import the trainer and JAX.
+# The same names as rudax.models.PROJECTIONS (peft's target_modules); written out so the
+# parent process and the torch arms need not import JAX.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # OpenMP threads (torch's, bitsandbytes') wait for work without spinning. With spinning waits,
 # on a CPU shared with other processes every small op waits for a thread whose core another
@@ -150,7 +150,7 @@ def _rudax_arm(directory: Path, args: argparse.Namespace, quantize: str | None) 
     import rudax.layers as rl
     import rudax.models as rm
     import rudax.optim as ro
-    from examples.finetune.train import make_steps
+    import rudax.sharding as rs
 
     with jax.numpy_dtype_promotion("strict"):  # as the program runs
         model = rm.from_pretrained(
@@ -158,7 +158,7 @@ def _rudax_arm(directory: Path, args: argparse.Namespace, quantize: str | None) 
         )
         rl.apply_lora(
             model,
-            list(PROJECTIONS),
+            list(rm.PROJECTIONS),
             rank=args.rank,
             alpha=args.alpha,
             dropout=args.dropout,
@@ -178,7 +178,8 @@ def _rudax_arm(directory: Path, args: argparse.Namespace, quantize: str | None) 
         tx = optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(args.lr, weight_decay=0.0))
         opt_state = tx.init(adapters)
         acc = ro.GradientAccumulator.init(adapters, jnp.float32)
-        micro, apply, _ = make_steps(graphdef, graphdef, tx)  # no evaluation here
+        steps = rs.make_train_steps(graphdef, tx, rm.causal_lm_loss_sum)
+        micro, apply = steps.micro, steps.apply
 
         ids = _ids(args)
         B, T = args.batch, args.seq

@@ -10,13 +10,14 @@ one process or of several (``jax.distributed``).
   step; the gradients come back reduce-scattered onto the shards. Samples are generated over
   the mesh too (``rudax.models.generate``), and the adapters gathered for the adapter file.
 
-The step is the one-device step inside ``jax.shard_map``: each device computes the summed loss
-of its rows, the sums are added across the mesh and their gradient divided by the counted
-tokens of the whole window (``rudax.optim.GradientAccumulator``), so the update is the
-one-device update of the same global batch, up to the order of the float sums. Dropout masks
-are drawn per device (the adapters' RNG key folded with the device's place in the mesh): with
-``--dropout 0`` a run over a mesh trains the one-device run's losses (``tests/finetune/
-test_mesh.py``).
+The step is ``rudax.sharding.make_train_steps`` over the mesh: each device computes the
+summed loss of its rows, the sums are added across the mesh and their gradient divided by
+the counted tokens of the whole window (``rudax.optim.GradientAccumulator``), so the update
+is the one-device update of the same global batch, up to the order of the float sums.
+Dropout masks are drawn per device (the adapters' RNG key folded with the device's place in
+the mesh): with ``--dropout 0`` a run over a mesh trains the one-device run's losses
+(``tests/finetune/test_mesh.py``). What is left here is the model's side: sharding it, this
+process's rows, and gathering the adapters back.
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 import rudax.layers as rl
 import rudax.models as rm
@@ -59,90 +58,6 @@ def own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     per process), as ``FinetuneData.batch(i, shard=p, num_shards=n)`` reads them itself."""
     p, n = jax.process_index(), jax.process_count()
     return {key: rows[p * len(rows) // n : (p + 1) * len(rows) // n] for key, rows in batch.items()}
-
-
-def make_steps(
-    graphdef: nnx.GraphDef, eval_def: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Mesh
-) -> tuple[Any, Any, Any]:
-    """``examples.finetune.train.make_steps``'s ``(micro, apply, evaluate)``, same signatures,
-    over ``mesh``: the state placed by ``rudax.sharding.place``, the batch by
-    ``rudax.sharding.put_batch``."""
-    axes = tuple(mesh.axis_names)
-    per_device = P(axes)
-
-    def device_index() -> jax.Array:
-        index = jnp.int32(0)
-        for name in axes:  # row-major over the mesh, as the batch's rows are split
-            index = index * mesh.shape[name] + jax.lax.axis_index(name)
-        return index
-
-    def own_keys(rngs: Any) -> Any:
-        # a key per device: each device's rows get masks of their own
-        index = device_index()
-        return jax.tree.map(
-            lambda v: (
-                v.replace(jax.random.fold_in(v.get_value(), index))
-                if isinstance(v, nnx.RngKey)
-                else v
-            ),
-            rngs,
-            is_leaf=lambda v: isinstance(v, nnx.Variable),
-        )
-
-    def sharded(definition: nnx.GraphDef) -> Any:
-        def local(adapters: Any, rngs: Any, base: Any, batch: Any) -> Any:
-            model = nnx.merge(definition, adapters, own_keys(rngs), base)
-            loss, metrics = rm.causal_lm_loss_sum(model, batch)
-            # the counts advanced alike on every device; the keys go back as they came
-            after = jax.tree.map(
-                lambda new, old: old if isinstance(old, nnx.RngKey) else new,
-                nnx.state(model, nnx.RngState),
-                rngs,
-                is_leaf=lambda v: isinstance(v, nnx.Variable),
-            )
-            return jax.tree.map(lambda x: x[None], (loss, metrics)), after
-
-        def run(adapters: Any, rngs: Any, base: Any, batch: Any) -> Any:
-            (loss, metrics), rngs = jax.shard_map(
-                local,
-                mesh=mesh,
-                in_specs=(_specs(adapters, mesh), P(), _specs(base, mesh), per_device),
-                out_specs=(per_device, P()),
-            )(adapters, rngs, base, batch)
-            summed = {
-                "tokens": jnp.sum(metrics["tokens"]),
-                "ce_sum": jnp.sum(metrics["ce_sum"]),
-                "aux_loss": jnp.mean(metrics["aux_loss"]),
-            }
-            return jnp.sum(loss), (summed, rngs)
-
-        return run
-
-    train_run, eval_run = sharded(graphdef), sharded(eval_def)
-
-    def constrain(tree: Any) -> Any:
-        return jax.lax.with_sharding_constraint(tree, rs.state_shardings(tree, mesh))
-
-    @jax.jit
-    def micro(adapters, rngs, acc, base, batch):
-        grad = jax.value_and_grad(train_run, has_aux=True)
-        (_, (metrics, rngs)), grads = grad(adapters, rngs, base, batch)
-        return acc.add(grads, weight=metrics["tokens"]), rngs, metrics
-
-    @jax.jit
-    def apply(adapters, opt_state, acc):
-        grads, acc = acc.pop(normalize=True)
-        updates, opt_state = tx.update(grads, opt_state, adapters)
-        adapters = optax.apply_updates(adapters, updates)
-        norm = optax.tree.norm(grads)
-        # fresh zeros (the emptied accumulator) would come out replicated: keep the placement
-        return (*constrain((adapters, opt_state, acc)), norm)
-
-    @jax.jit
-    def evaluate(adapters, rngs, base, batch):
-        return eval_run(adapters, rngs, base, batch)[1][0]
-
-    return micro, apply, evaluate
 
 
 def gather_into(model: rm.LlamaForCausalLM, sharded: rm.LlamaForCausalLM) -> None:
@@ -220,8 +135,3 @@ def _set(target: nnx.Variable, value: np.ndarray, path: tuple[Any, ...]) -> None
     if tuple(want.shape) != value.shape:
         raise ValueError(f"{path}: a gathered adapter of shape {value.shape}, not {want.shape}")
     target.set_value(jnp.asarray(value, want.dtype))
-
-
-def _specs(tree: Any, mesh: Mesh) -> Any:
-    """Each leaf's ``PartitionSpec`` in ``rudax.sharding.state_shardings``' placement."""
-    return jax.tree.map(lambda s: s.spec, rs.state_shardings(tree, mesh))

@@ -88,8 +88,6 @@ from examples.finetune.template import DataError
 
 DEFAULT_BASE, DEFAULT_BASE_RUN = Path("hf/base"), Path("runs/base")
 DEFAULT_DATA = Path("data/instructions")
-# peft's names of a Llama's attention and MLP projections: QLoRA adapts all of them.
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Flags that may change between the sessions of one run; every other one is the run's.
 # Flags of one session, not of the run: a resumed run may change them. --remat changes
 # memory and time only (the gradients are the same: tests/lm/test_remat.py). --scan-layers is
@@ -194,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--targets",
         type=lambda s: [t.strip() for t in s.split(",")],
-        default=list(ALL_PROJECTIONS),
+        default=list(rm.PROJECTIONS),
         help="comma-separated module names to adapt (peft's target_modules)",
     )
     model.add_argument("--rank", type=int, default=8, help="LoRA rank")
@@ -379,12 +377,13 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         opt_state, acc = rs.place((opt_state, acc), mesh)
 
     # --------------------------------------------------------------------------- step
+    steps = rs.make_train_steps(
+        graphdef, tx, rm.causal_lm_loss_sum, mesh=mesh, eval_graphdef=eval_def
+    )
     if mesh is None:
-        micro, apply, evaluate = make_steps(graphdef, eval_def, tx)
         put: Any = lambda batch: batch
         real_tokens: Any = lambda batch: int(np.count_nonzero(batch["segment_ids"]))
     else:
-        micro, apply, evaluate = mesh_.make_steps(graphdef, eval_def, tx, mesh)
         # this process's rows, placed; the count of real tokens over every process's rows
         put = lambda batch: rs.put_batch(batch, mesh, args.batch_size)
         real_tokens = lambda placed: int(_count_tokens(placed["segment_ids"]))
@@ -393,7 +392,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         if not val_batches:
             return None
         ms = jax.device_get(
-            [evaluate(adapters, rngs, base, put(mesh_.own_rows(b))) for b in val_batches]
+            [steps.evaluate(adapters, rngs, base, put(mesh_.own_rows(b))) for b in val_batches]
         )
         return sum(float(m["ce_sum"]) for m in ms) / max(1, sum(int(m["tokens"]) for m in ms))
 
@@ -488,9 +487,9 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
                         )
                     )
                     real += real_tokens(batch)  # tokens, not padding
-                    acc, rngs, m = micro(adapters, rngs, acc, base, batch)
+                    acc, rngs, m = steps.micro(adapters, rngs, acc, base, batch)
                     window.append(m)
-                adapters, opt_state, acc, norm = apply(adapters, opt_state, acc)
+                adapters, opt_state, acc, norm = steps.apply(adapters, opt_state, acc)
                 window, norm = jax.device_get((window, norm))  # waits for the update
                 counted = sum(int(m["tokens"]) for m in window)
                 loss = sum(float(m["ce_sum"]) for m in window) / max(1, counted)
@@ -601,41 +600,6 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-def make_steps(
-    graphdef: nnx.GraphDef, eval_def: nnx.GraphDef, tx: optax.GradientTransformation
-) -> tuple[Any, Any, Any]:
-    """The run's jitted ``(micro, apply, evaluate)`` for ``nnx.split(model, rl.LoRAParam,
-    nnx.RngState, ...)``'s ``graphdef`` (``eval_def``: the same model with dropout off).
-
-    ``micro(adapters, rngs, acc, base, batch) -> (acc, rngs, metrics)`` adds one microbatch's
-    adapter gradients into the accumulator; ``apply(adapters, opt_state, acc) -> (adapters,
-    opt_state, acc, grad_norm)`` is the update; ``evaluate(adapters, rngs, base, batch)`` the
-    metrics without a gradient. Nothing is donated (the adapters are small).
-    """
-    # nnx's grad: dropout advances its RNG counters inside the differentiated call. (nnx's
-    # transforms refuse a keyword-only parameter, causal_lm_loss_sum's chunk, even unused.)
-    loss = lambda model, batch: rm.causal_lm_loss_sum(model, batch)
-    grad = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, rl.LoRAParam), has_aux=True)
-
-    @jax.jit
-    def micro(adapters, rngs, acc, base, batch):
-        model = nnx.merge(graphdef, adapters, rngs, base)
-        (_, metrics), grads = grad(model, batch)
-        return acc.add(grads, weight=metrics["tokens"]), nnx.state(model, nnx.RngState), metrics
-
-    @jax.jit
-    def apply(adapters, opt_state, acc):
-        grads, acc = acc.pop(normalize=True)  # the mean over the window's counted tokens
-        updates, opt_state = tx.update(grads, opt_state, adapters)
-        return optax.apply_updates(adapters, updates), opt_state, acc, optax.tree.norm(grads)
-
-    @jax.jit
-    def evaluate(adapters, rngs, base, batch):
-        return loss(nnx.merge(eval_def, adapters, rngs, base), batch)[1]
-
-    return micro, apply, evaluate
 
 
 @jax.jit
@@ -765,10 +729,10 @@ def _check_flags(args: argparse.Namespace, run_dir: Path) -> None:
             raise UsageError(f"--merged {merged} is the adapter's directory: write elsewhere")
         if (merged / "model.safetensors.index.json").exists():
             raise UsageError(f"--merged {merged} holds a sharded checkpoint: write elsewhere")
-        if args.quantize != "none" and set(args.targets) != set(ALL_PROJECTIONS):
+        if args.quantize != "none" and set(args.targets) != set(rm.PROJECTIONS):
             raise UsageError(
                 f"--merged with --quantize {args.quantize} needs every projection adapted "
-                f"(--targets {','.join(ALL_PROJECTIONS)}): the others would stay 4-bit, "
+                f"(--targets {','.join(rm.PROJECTIONS)}): the others would stay 4-bit, "
                 "which a Hugging Face checkpoint cannot hold"
             )
     if args.sample_tokens < 0:

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -94,12 +95,10 @@ import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import config as cfg
-from examples.lm.spec import ModelSpec, shard
-from examples.lm.step import make_optimizer, make_steps, model_spec
+from examples.lm.spec import ModelSpec, loss_sum, shard
+from examples.lm.step import make_optimizer, model_spec
 
 FINETUNE = ("none", "lora", "qlora")
-# examples.finetune's adapters: every attention and MLP projection (peft's names).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GB = 1e9
 
 
@@ -438,12 +437,11 @@ def plan_pretraining(
         # is each device's shard of the parameters, or the gathered weights, as the step
         # really keeps them. shard_map's residuals come out stacked over the devices.
         model = trained_model(s, mesh_obj)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
         batch = jax.ShapeDtypeStruct((args.batch_size, s.seq_len + 1), jnp.int32)
-        steps = make_steps(
-            graphdef, rest, None, mesh=mesh_obj, donate=False, loss_chunk=s.loss_chunk
-        )
-        activations = kept_for_backward(steps.forward, params, batch) // devices
+        loss = functools.partial(loss_sum, chunk=s.loss_chunk)
+        steps = rs.make_train_steps(graphdef, optax.identity(), loss, mesh=mesh_obj)
+        activations = kept_for_backward(steps.forward, params, rngs, rest, batch) // devices
         return activations, _kept_by_xla(s, model, rows)
 
     fp32_local = rs.bytes_per_device(jax.tree.map(_as_fp32, params), fsdp)
@@ -578,7 +576,7 @@ def finetune_model(args: argparse.Namespace, spec: ModelSpec) -> rm.LlamaForCaus
     quantize = "nf4" if args.finetune == "qlora" else None
     rl.apply_lora(
         model,
-        list(PROJECTIONS),
+        list(rm.PROJECTIONS),
         rank=args.rank,
         alpha=2.0 * args.rank,
         dropout=args.dropout,

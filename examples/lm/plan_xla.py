@@ -11,6 +11,7 @@ GPU's: a cross-check of the plan there, not the target's figure.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -18,10 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 import rudax.layers as rl
+import rudax.models as rm
 import rudax.sharding as rs
-from examples.finetune.train import make_steps as finetune_steps
 from examples.lm import plan as pl
-from examples.lm.step import make_optimizer, make_steps
+from examples.lm.spec import loss_sum
+from examples.lm.step import make_optimizer
 
 
 class StepMemory(NamedTuple):
@@ -68,18 +70,19 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         graphdef, adapters, rngs, base = nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
         tx = pl.finetune_optimizer()
         opt_state, acc = pl.optimizer_state(tx, adapters)
-        micro, apply, _ = finetune_steps(graphdef, eval_def, tx)
+        run = rs.make_train_steps(graphdef, tx, rm.causal_lm_loss_sum, eval_graphdef=eval_def)
         shape = (args.batch_size, spec.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in pl.FINETUNE_BATCH}
         adapters, rngs, base = _abstract(adapters), _abstract(rngs), _abstract(base)
         steps = {
-            "microbatch": micro.lower(adapters, rngs, _abstract(acc), base, batch),
-            "update": apply.lower(adapters, _abstract(opt_state), _abstract(acc)),
+            "microbatch": run.micro.lower(adapters, rngs, _abstract(acc), base, batch),
+            "update": run.apply.lower(adapters, _abstract(opt_state), _abstract(acc)),
         }
         platform = jax.devices()[0].platform
     else:
         mesh = pl.trace_mesh(args.mesh) if args.mesh else None
-        graphdef, params, rest = nnx.split(pl.trained_model(spec, mesh), nnx.Param, ...)
+        model = pl.trained_model(spec, mesh)
+        graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
         tx = make_optimizer(args, mesh)
         opt_state, acc = pl.optimizer_state(tx, params)
         place = (lambda t: _abstract(t, rs.state_shardings(t, mesh))) if mesh else _abstract
@@ -88,9 +91,11 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         batch = jax.ShapeDtypeStruct(
             (args.batch_size, spec.seq_len + 1), jnp.int32, sharding=batch_sharding
         )
-        run = make_steps(graphdef, rest, tx, mesh=mesh, loss_chunk=spec.loss_chunk)
+        loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+        run = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=True)
+        rngs, rest = place(rngs), place(rest)
         steps = {
-            "microbatch": run.micro.lower(params, acc, batch),
+            "microbatch": run.micro.lower(params, rngs, acc, rest, batch),
             "update": run.apply.lower(params, opt_state, acc),
         }
         platform = (mesh.devices.flat[0] if mesh else jax.devices()[0]).platform

@@ -1,22 +1,8 @@
-"""The optimizer and the jitted steps of ``examples.lm.train``, on one device or over a mesh.
+"""The model spec and the optimizer of ``examples.lm.train``, from its flags.
 
-One update, as data flows through it (``/work/shared/ARCHITECTURE.md``)::
-
-    for each of the window's microbatches:            micro(params, acc, batch)
-        loss_sum, grads = value_and_grad(loss_sum)      (examples.lm.spec: a SUM over tokens)
-        acc = acc.add(grads, weight=tokens)             (rudax.optim.GradientAccumulator)
-    grads, acc = acc.pop(normalize=True)              apply(params, opt_state, acc)
-    updates, opt_state = tx.update(grads, ...)          (clip, fp32 masters, AdamW/Muon)
-    params = optax.apply_updates(params, updates)
-
-Over a mesh only the loss changes: it runs inside ``jax.shard_map``, each device on its
-slice of the batch, and returns one loss sum per device; ``jax.grad`` of their total
-differentiates through the shard_map. Parameters sharded over ``fsdp`` (``rudax.sharding``
-``ShardedParameter``s) get their gradients reduce-scattered by the all-gather's transpose;
-parameters replicated over ``data`` get theirs summed over ``data`` by the transpose of the
-replication (shard_map's ``check_vma`` types them as invariant). So the gradients that come
-out are sums over the whole global batch, sharded like the parameters, and ``tx.update``
-runs outside the shard_map, where the global gradient norm is the norm of the global arrays.
+The steps themselves are the library's (``rudax.sharding.make_train_steps`` with
+``examples.lm.spec.loss_sum``): the same step trains a whole model here, adapters in
+``examples.finetune``, on one device or over a mesh.
 """
 
 from __future__ import annotations
@@ -24,20 +10,18 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.lm.spec import ModelSpec, loss_sum
+from examples.lm.spec import ModelSpec
 
 # ------------------------------------------------------------------------------- model
 
@@ -217,118 +201,3 @@ def make_optimizer(
             stacked=getattr(args, "scan_layers", False),
         )
     return ro.fp32_master(optax.chain(ro.clip_by_global_norm(args.clip), inner))
-
-
-def grad_norm(opt_state: Any) -> jax.Array:
-    """The pre-clip global gradient norm of the last update, read from the optimizer state."""
-    kinds = (ro.ClipByGlobalNormState, ro.FusedAdamWState)
-    found = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
-        if isinstance(s, kinds)
-    ]
-    return found[0].global_norm
-
-
-# ------------------------------------------------------------------------------- steps
-
-
-class Steps(NamedTuple):
-    """The jitted functions of a run; each compiles once for the run's shapes."""
-
-    micro: Callable  # (params, acc, batch) -> (acc, metrics): one microbatch into the window
-    apply: Callable  # (params, opt_state, acc) -> (params, opt_state, acc, grad_norm)
-    evaluate: Callable  # (params, batch) -> metrics, no gradient
-    forward: Callable  # (params, batch) -> loss_sum, for --profile
-    gradients: Callable  # (params, batch) -> grads, for --profile
-
-
-def make_steps(
-    graphdef: nnx.GraphDef,
-    rest: Any,
-    tx: Any,
-    *,
-    mesh: Mesh | None,
-    donate: bool = True,
-    loss_chunk: int = 1024,
-) -> Steps:
-    """The run's steps for the model ``nnx.merge(graphdef, params, rest)``.
-
-    Args:
-      graphdef: the model's structure, from ``nnx.split(model, nnx.Param, ...)``.
-      rest: its non-parameter state, passed along unchanged.
-      tx: the optimizer.
-      mesh: None for one device; else a mesh with axes ``data`` and/or ``fsdp``, the model
-        already ``shard``ed over ``fsdp`` if the mesh has that axis.
-      donate: whether ``micro`` donates its ``acc`` and ``apply`` its ``(params, opt_state,
-        acc)``: their buffers are then reused for the outputs, so a step holds the training
-        state once, not twice (the old and the new). The donated arguments are deleted by
-        the call, so a caller that calls a step again on the same inputs (``--profile``'s
-        timing) passes False.
-      loss_chunk: tokens per chunk of the fused head and loss (``ModelSpec.loss_chunk``).
-
-    Returns:
-      ``Steps``. Metrics are fp32/int32 scalars: ``loss_sum`` (what is differentiated),
-      ``ce_sum`` and ``tokens`` (summed over devices) and ``aux_loss`` (mean over devices).
-    """
-
-    def local(params: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return loss_sum(nnx.merge(graphdef, params, rest), batch, chunk=loss_chunk)
-
-    if mesh is None:
-        objective = local
-    else:
-        fsdp = "fsdp" in mesh.axis_names
-        per_device = P(tuple(mesh.axis_names))
-
-        def ranked(params, batch):
-            loss, metrics = local(params, batch)
-            return jax.tree.map(lambda x: x[None], (loss, metrics))
-
-        def objective(params, batch):
-            # each leaf's spec: a flat shard, or a stack of them (stacked layers) split over
-            # its last axis; on a data-only mesh every parameter is replicated
-            param_specs = rs.shard_specs(params, "fsdp") if fsdp else P()
-            sharded = jax.shard_map(
-                ranked,
-                mesh=mesh,
-                in_specs=(param_specs, rs.batch_sharding(mesh).spec),
-                out_specs=per_device,
-            )
-            loss, metrics = sharded(params, batch)
-            return jnp.sum(loss), {
-                "tokens": jnp.sum(metrics["tokens"]),
-                "ce_sum": jnp.sum(metrics["ce_sum"]),
-                "aux_loss": jnp.mean(metrics["aux_loss"]),
-            }
-
-    def constrain(tree):
-        return (
-            tree
-            if mesh is None
-            else jax.lax.with_sharding_constraint(tree, rs.state_shardings(tree, mesh))
-        )
-
-    def micro(params, acc, batch):
-        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
-        return acc.add(grads, weight=metrics["tokens"]), {"loss_sum": loss, **metrics}
-
-    def apply(params, opt_state, acc):
-        grads, acc = acc.pop(normalize=True)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # Fresh zeros (the emptied accumulator, new state) would come out replicated, and the
-        # next call would compile again for them: pin everything where the inputs live.
-        params, opt_state, acc = constrain((params, opt_state, acc))
-        return params, opt_state, acc, grad_norm(opt_state)
-
-    def evaluate(params, batch):
-        return objective(params, batch)[1]
-
-    return Steps(
-        micro=jax.jit(micro, donate_argnums=(1,) if donate else ()),
-        apply=jax.jit(apply, donate_argnums=(0, 1, 2) if donate else ()),
-        evaluate=jax.jit(evaluate),
-        forward=jax.jit(lambda params, batch: objective(params, batch)[0]),
-        gradients=jax.jit(jax.grad(lambda params, batch: objective(params, batch)[0])),
-    )

@@ -1,6 +1,6 @@
 """``--profile``: how long the forward, backward and optimizer phases of one update take.
 
-Each phase is its own jitted function (``examples.lm.step.Steps``), compiled and run once
+Each phase is its own jitted function (``rudax.sharding.TrainSteps``), compiled and run once
 before timing (warm-up), then run ``repeats`` times with ``block_until_ready`` around each
 call; the table shows medians, per call and per update (the forward and backward phases run
 once per microbatch). The backward phase is not separable from the forward one in a jitted
@@ -34,7 +34,7 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
 
 def profile(
     steps: Any,
-    params: Any,
+    model_state: tuple[Any, Any, Any],
     opt_state: Any,
     acc: Any,
     batches: list[Any],
@@ -46,8 +46,9 @@ def profile(
     """Times one update's phases; returns the table (and writes a trace if asked).
 
     Args:
-      steps: the run's ``Steps``.
-      params: the parameters; opt_state: the optimizer state; acc: an empty accumulator.
+      steps: the run's ``rudax.sharding.TrainSteps``.
+      model_state: ``(params, rngs, rest)``, the model's split state.
+      opt_state: the optimizer state; acc: an empty accumulator.
       batches: the update's microbatches, placed as the run places them.
       flops_per_token: the model's training FLOPs per token, for the achieved FLOP/s.
       repeats: timed runs of each phase after the warm-up.
@@ -58,16 +59,17 @@ def profile(
     """
     batch = batches[0]
     tokens = batch.shape[0] * (batch.shape[1] - 1)
-    full_acc, _ = steps.micro(params, acc, batch)
+    params, rngs, rest = model_state
+    full_acc, _, _ = steps.micro(params, rngs, acc, rest, batch)
 
     def update():
         window = acc
         for b in batches:
-            window, _ = steps.micro(params, window, b)
+            window, _, _ = steps.micro(params, rngs, window, rest, b)
         return steps.apply(params, opt_state, window)
 
-    forward = _median_seconds(lambda: steps.forward(params, batch), repeats)
-    forward_backward = _median_seconds(lambda: steps.gradients(params, batch), repeats)
+    forward = _median_seconds(lambda: steps.forward(params, rngs, rest, batch), repeats)
+    forward_backward = _median_seconds(lambda: steps.gradients(params, rngs, rest, batch), repeats)
     optimizer = _median_seconds(lambda: steps.apply(params, opt_state, full_acc), repeats)
     whole = _median_seconds(update, repeats)
     if trace_dir is not None:

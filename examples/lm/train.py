@@ -33,6 +33,7 @@ fused AdamW), ``rudax.sharding`` (FSDP over a mesh inside ``jax.shard_map``) and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -61,8 +62,8 @@ from examples.lm import guard, hf_init
 from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError
 from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
-from examples.lm.spec import shard
-from examples.lm.step import make_optimizer, make_schedule, make_steps, model_spec
+from examples.lm.spec import loss_sum, shard
+from examples.lm.step import make_optimizer, make_schedule, model_spec
 from examples.lm.timing import profile
 
 UsageError = cfg.UsageError
@@ -222,8 +223,9 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     n_params = _parameter_count(model)
     if fsdp and hf_dir is None:
         model = shard(model, mesh)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = place(params)
+    # rngs: the model's RNG state (empty: no dropout); rest: what is neither (no buffers)
+    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    params, rngs, rest = place((params, rngs, rest))
     del model
     if init_from is not None:
         # Before the optimizer state is built from them: its fp32 masters start as copies of
@@ -238,16 +240,15 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- step
     # --profile times each step repeatedly on the same inputs, which donation would delete.
-    steps = make_steps(
-        graphdef, rest, tx, mesh=mesh, donate=not args.profile, loss_chunk=spec.loss_chunk
-    )
+    loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+    steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not args.profile)
     microbatch = lambda s, a: put(
         train_data.batch((s - 1) * args.grad_accum + a, shard=process, num_shards=processes)
     )
     if args.profile:
         table = profile(
             steps,
-            params,
+            (params, rngs, rest),
             opt_state,
             acc,
             [microbatch(1, a) for a in range(args.grad_accum)],
@@ -260,7 +261,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     def evaluate() -> float:
         ce, n = 0.0, 0
         for b in val_batches:
-            m = steps.evaluate(params, put(b))
+            m = steps.evaluate(params, rngs, rest, put(b))
             ce, n = ce + float(m["ce_sum"]), n + int(m["tokens"])
         return ce / n
 
@@ -316,7 +317,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                 step += 1
                 window = []
                 for a in range(args.grad_accum):
-                    acc, m = steps.micro(params, acc, microbatch(step, a))
+                    acc, rngs, m = steps.micro(params, rngs, acc, rest, microbatch(step, a))
                     window.append(m)
                 params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
                 tokens += tokens_per_update

@@ -24,6 +24,7 @@ from rudax.models._chat import load_chat_template as load_chat_template
 from rudax.models._flops import flops_per_token as flops_per_token
 from rudax.models._generate import Generation as Generation
 from rudax.models._generate import generate as generate
+from rudax.models._hf_files import PROJECTIONS as PROJECTIONS
 from rudax.models._hf_files import from_pretrained as from_pretrained
 from rudax.models._hf_files import open_checkpoint as open_checkpoint
 from rudax.models._hf_save import save_pretrained as save_pretrained
@@ -40,6 +41,7 @@ from rudax.models._shared_prefix import pack_shared_prefix as pack_shared_prefix
 
 __all__ = [
     "IGNORE_INDEX",
+    "PROJECTIONS",
     "ChatTemplate",
     "Generation",
     "KVCache",

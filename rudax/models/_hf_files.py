@@ -129,7 +129,8 @@ def open_checkpoint(directory: str | os.PathLike) -> dict[str, SafetensorsFile]:
 
 # Formats from_pretrained quantizes the projections to as it reads them.
 QUANTIZE = (None, "nf4")
-# The decoder layers' projections: what QLoRA quantizes (the embedding, norms and head stay).
+# The decoder layers' projections, by their Hugging Face (and peft target) names: what QLoRA
+# quantizes and adapts (the embedding, norms and head stay).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Elements quantized per step: small and of one size, so each step's temporaries are freed
 # and reused (measured on the host peak of a Llama 3 8B load).

@@ -47,6 +47,10 @@ from rudax.sharding._muon import fsdp_muon as fsdp_muon
 # [block: sharded_parameter]
 from rudax.sharding._sharded_parameter import ShardedParameter as ShardedParameter
 
+# [block: steps]
+from rudax.sharding._steps import TrainSteps as TrainSteps
+from rudax.sharding._steps import make_train_steps as make_train_steps
+
 __all__ = [
     "MESH_AXES",
     "DataParallel",
@@ -54,11 +58,13 @@ __all__ = [
     "ShardedModule",
     "ShardedParameter",
     "ShardingContext",
+    "TrainSteps",
     "batch_sharding",
     "bytes_per_device",
     "collectives",
     "fsdp_muon",
     "make_mesh",
+    "make_train_steps",
     "mesh_text",
     "parse_mesh",
     "place",

@@ -1,8 +1,8 @@
 """examples.lm.plan against XLA's own accounting of the trainer's jitted steps.
 
 The reference is ``compiled.memory_analysis()`` of the steps the programs really run
-(``examples.lm.step.make_steps`` on 8 simulated CPU devices, ``examples.finetune.train
-.make_steps`` on one), built as the programs build them: a ``rudax.models.LlamaForCausalLM``
+(``rudax.sharding.make_train_steps``, the trainer's on 8 simulated CPU devices, the
+fine-tuner's on one), built as the programs build them: a ``rudax.models.LlamaForCausalLM``
 of ``examples.lm.spec.ModelSpec``. The resident state must agree to the byte with XLA's
 argument bytes of the update; what each step adds (XLA: output + temp - aliased bytes) within
 TOLERANCE. When the planner was written, planned over measured was 0.79-1.30 for a
@@ -19,6 +19,7 @@ over scanned layers only: without a scan XLA:CPU merges the recomputation into t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -34,11 +35,10 @@ import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.finetune.train import make_steps as finetune_steps
 from examples.lm import plan as pl
 from examples.lm import plan_xla
-from examples.lm.spec import shard
-from examples.lm.step import make_optimizer, make_steps
+from examples.lm.spec import loss_sum, shard
+from examples.lm.step import make_optimizer
 
 TOLERANCE = 0.35
 SMALL = "--vocab-size 2048 --d-model 128 --n-layers 4 --n-heads 4 --seq-len 128 --batch-size 16"
@@ -76,12 +76,13 @@ def test_pretraining_plan_agrees_with_xla(flags):
     model = model_spec.create(0)
     if "fsdp" in spec:
         model = shard(model, mesh)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = rs.place(params, mesh)
+    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    params, rngs, rest = rs.place((params, rngs, rest), mesh)
     tx = make_optimizer(args)
     opt_state = rs.place(jax.jit(tx.init)(params), mesh)
     acc = rs.place(ro.GradientAccumulator.init(params, jnp.float32), mesh)
-    steps = make_steps(graphdef, rest, tx, mesh=mesh, loss_chunk=model_spec.loss_chunk)
+    loss = functools.partial(loss_sum, chunk=model_spec.loss_chunk)
+    steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=True)
     batch = jnp.zeros((args.batch_size, model_spec.seq_len + 1), jnp.int32)
     batch = jax.device_put(batch, rs.batch_sharding(mesh))
 
@@ -94,7 +95,7 @@ def test_pretraining_plan_agrees_with_xla(flags):
     assert plan.state["params"] == one_device(params)
     assert plan.state["accumulator"] == one_device(acc)
     assert plan.state["masters"] + plan.state["optimizer"] == one_device(opt_state)
-    micro = steps.micro.lower(params, acc, batch).compile()
+    micro = steps.micro.lower(params, rngs, acc, rest, batch).compile()
     measured = {"micro": _added(micro), "update": _added(apply)}
     if flags.endswith(("fsdp=4", "full")):  # --xla's abstract inputs compile to the same steps
         _, xla = plan_xla.compiled_steps(args)
@@ -120,7 +121,7 @@ def test_finetuning_plan_agrees_with_xla(tmp_path, finetune):
     llama = rm.LlamaConfig.from_hf(json.loads(hf_config.read_text()), param_dtype=jnp.bfloat16)
     model = rm.LlamaForCausalLM(llama, dtype=jnp.float32, rngs=nnx.Rngs(0))
     quantize = "nf4" if finetune == "qlora" else None
-    rl.apply_lora(model, list(pl.PROJECTIONS), rank=8, alpha=16.0, dropout=0.05,
+    rl.apply_lora(model, list(rm.PROJECTIONS), rank=8, alpha=16.0, dropout=0.05,
                   quantize_base=quantize, quantize_untargeted=quantize is not None,
                   rngs=nnx.Rngs(0))  # fmt: skip
     model.eval()
@@ -130,14 +131,14 @@ def test_finetuning_plan_agrees_with_xla(tmp_path, finetune):
     tx = optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3, weight_decay=0.0))
     opt_state = tx.init(adapters)
     acc = ro.GradientAccumulator.init(adapters, jnp.float32)
-    micro, apply, _ = finetune_steps(graphdef, eval_def, tx)
+    steps = rs.make_train_steps(graphdef, tx, rm.causal_lm_loss_sum, eval_graphdef=eval_def)
     batch = {k: jnp.zeros((4, 64), jnp.int32) for k in pl.FINETUNE_BATCH}
 
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((base, adapters, rngs, opt_state, acc)))
     assert plan.resident == state_bytes
 
-    m = micro.lower(adapters, rngs, acc, base, batch).compile()
-    u = apply.lower(adapters, opt_state, acc).compile()
+    m = steps.micro.lower(adapters, rngs, acc, base, batch).compile()
+    u = steps.apply.lower(adapters, opt_state, acc).compile()
     measured = {"micro": _added(m), "update": _added(u)}
     _, xla = plan_xla.compiled_steps(args)
     assert (xla["microbatch"].added, xla["update"].added) == (measured["micro"],

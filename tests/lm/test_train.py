@@ -271,13 +271,13 @@ def test_profile_times_each_phase_and_writes_a_trace(tmp_path):
     steps = SimpleNamespace(
         forward=phase("forward"),
         gradients=phase("gradients"),
-        micro=lambda params, acc, batch: (calls.append("micro") or acc, {}),
+        micro=lambda params, rngs, acc, rest, batch: (calls.append("micro") or acc, rngs, {}),
         apply=phase("apply"),
     )
     batches = [np.zeros((2, 5), np.int32)] * 3  # 3 microbatches of 2 x 4 tokens
     table = timing.profile(
         steps,
-        None,
+        (None, None, None),
         None,
         jnp.zeros(()),
         batches,

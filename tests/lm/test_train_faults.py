@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import rudax.checkpoint as rc
+import rudax.sharding as rs
 from examples.lm import train
 from examples.lm.data import TokenLoader
 from rudax.run import read_metrics
@@ -118,28 +119,28 @@ def test_a_nonfinite_loss_stops_the_run_and_keeps_the_good_checkpoints(
 def _poison_gradients(monkeypatch, bad_updates):
     """Every microbatch of the given updates gets NaN gradients, its loss stays finite: the
     fault the optimizer's non-finite skip exists for (an overflow in the backward pass)."""
-    real = train.make_steps
+    real = rs.make_train_steps
 
     def make_steps(*args, **kwargs):
         steps = real(*args, **kwargs)
 
         @jax.jit
-        def poisoned(params, acc, batch):
-            acc, metrics = steps.micro(params, acc, batch)
+        def poisoned(params, rngs, acc, rest, batch):
+            acc, rngs, metrics = steps.micro(params, rngs, acc, rest, batch)
             sums = jax.tree.map(lambda x: x * jnp.nan, acc.sums)
-            return dataclasses.replace(acc, sums=sums), metrics
+            return dataclasses.replace(acc, sums=sums), rngs, metrics
 
         update = 0
 
-        def micro(params, acc, batch):
+        def micro(*args):
             nonlocal update
             update += 1  # one microbatch per update in these runs
-            return (poisoned if update in bad_updates else steps.micro)(params, acc, batch)
+            return (poisoned if update in bad_updates else steps.micro)(*args)
 
         micro._cache_size = steps.micro._cache_size
         return steps._replace(micro=micro)
 
-    monkeypatch.setattr(train, "make_steps", make_steps)
+    monkeypatch.setattr(rs, "make_train_steps", make_steps)
 
 
 @pytest.mark.slow
