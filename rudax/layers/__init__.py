@@ -35,6 +35,7 @@ from rudax.layers._lora import LoRAParam as LoRAParam
 from rudax.layers._merge_lora import merge_lora as merge_lora
 from rudax.layers._mlp import GatedMLP as GatedMLP
 from rudax.layers._moe import MoE as MoE
+from rudax.layers._moe import MoEExperts as MoEExperts
 from rudax.layers._moe import load_balancing_loss as load_balancing_loss
 from rudax.layers._moe import routed_experts as routed_experts
 from rudax.layers._nf4_linear import NF4Linear as NF4Linear
@@ -67,6 +68,7 @@ __all__ = [
     "LoRALinear",
     "LoRAParam",
     "MoE",
+    "MoEExperts",
     "ModuleNames",
     "NF4Linear",
     "Quantized",

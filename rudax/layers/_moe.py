@@ -29,7 +29,7 @@ from rudax._validation import check_positive_int, float_dtype
 from rudax.kernels import silu_mul
 from rudax.layers._linear import Linear
 
-__all__ = ["IMPLS", "MoE", "load_balancing_loss", "routed_experts"]
+__all__ = ["IMPLS", "MoE", "MoEExperts", "load_balancing_loss", "routed_experts"]
 
 IMPLS = ("auto", "ragged", "dense")
 
@@ -68,19 +68,46 @@ def load_balancing_loss(probs_NxE: jax.Array, experts_NxK: jax.Array) -> jax.Arr
     return float(num_experts) * jnp.sum(f_E * p_E)
 
 
+class MoEExperts(nnx.Module):
+    """E SwiGLU experts' weights, stacked on a leading expert axis, ``[in, out]`` per expert.
+
+    Mixtral's names (transformers' ``MixtralSparseMoeBlock.experts``, one ``w1``/``w2``/``w3``
+    per expert in its files): ``w1`` the gate projection ``[E, d, h]``, ``w3`` the up
+    projection ``[E, d, h]``, ``w2`` the down projection ``[E, h, d]``. Stacked, so the
+    grouped matmul (``jax.lax.ragged_dot``) reads them without copying.
+    """
+
+    def __init__(
+        self,
+        features: int,
+        hidden_features: int,
+        num_experts: int,
+        *,
+        param_dtype: Any,
+        kernel_init: nnx.Initializer,
+        out_init: nnx.Initializer,
+        rngs: nnx.Rngs,
+    ):
+        e, d, h = num_experts, features, hidden_features
+        self.w1 = nnx.Param(kernel_init(rngs.params(), (e, d, h), param_dtype))
+        self.w2 = nnx.Param(out_init(rngs.params(), (e, h, d), param_dtype))
+        self.w3 = nnx.Param(kernel_init(rngs.params(), (e, d, h), param_dtype))
+
+
 class MoE(nnx.Module):
     """Top-k routed SwiGLU experts: ``y = sum_{e in topk(x)} g_e(x) * expert_e(x)``.
 
     For each token ``x`` (compute dtype ``c``)::
 
-        p = softmax(x @ W_router)                 (fp32)
+        p = softmax(gate(x))                      (the logits in router_dtype, p in fp32)
         experts, g = top_k(p); g = g / sum(g)     (the k gates sum to 1, as in Mixtral)
-        expert_e(x) = (silu(x @ W_gate[e]) * (x @ W_up[e])) @ W_down[e]     (in c)
+        expert_e(x) = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]     (in c)
         y = c(sum_k g_k * expert_{experts_k}(x))  (combined in fp32)
 
-    The expert weights are stacked: ``w_gate`` and ``w_up`` ``[E, d, h]``, ``w_down``
-    ``[E, h, d]``. Every variable is an ``nnx.Param``, so ``ShardingContext.module`` shards the
-    whole layer.
+    The variables take Mixtral's names, so this is also ``rudax.models``' Mixtral block:
+    ``gate`` the router (``[d, E]``), ``experts.w1``/``w3``/``w2`` the stacked gate, up and
+    down projections (``MoEExperts``). Every variable is an ``nnx.Param``, so
+    ``ShardingContext.module`` shards the whole layer.
 
     Args:
       features: d, the input and output size, > 0.
@@ -90,13 +117,17 @@ class MoE(nnx.Module):
       impl: ``"auto"``, ``"ragged"`` or ``"dense"`` (see the module docstring).
       dtype: compute dtype of the experts; None for the input's.
       param_dtype: storage dtype of every weight.
-      kernel_init: initializer of the router, ``w_gate`` and ``w_up``.
-      out_init: initializer of ``w_down``.
+      router_dtype: the dtype the router's logits are computed in. fp32 by default: the
+        softmax and the top-k choice are where bf16 rounding would flip which expert a token
+        goes to; Mixtral (transformers) computes them in the compute dtype.
+      kernel_init: initializer of the router, ``w1`` and ``w3``.
+      out_init: initializer of ``w2``.
       rngs: the ``nnx.Rngs`` whose ``params`` stream draws the weights.
 
     Returns:
       A module; calling it on ``x[..., d]`` returns ``(y[..., d], aux)`` with ``aux`` the fp32
-      ``load_balancing_loss`` of this call's tokens.
+      ``load_balancing_loss`` of this call's tokens. ``route`` returns the statistics that
+      loss is made of instead, over the real tokens of packed rows.
 
     Example:
       >>> import jax.numpy as jnp
@@ -104,8 +135,8 @@ class MoE(nnx.Module):
       >>> from rudax.layers import MoE
       >>> moe = MoE(8, 16, 4, top_k=2, rngs=nnx.Rngs(0))
       >>> y, aux = moe(jnp.ones((2, 3, 8)))
-      >>> y.shape, aux.dtype
-      ((2, 3, 8), dtype('float32'))
+      >>> y.shape, aux.dtype, moe.experts.w1.shape
+      ((2, 3, 8), dtype('float32'), (4, 8, 16))
 
     References:
       Shazeer et al., `Outrageously Large Neural Networks
@@ -126,6 +157,7 @@ class MoE(nnx.Module):
         impl: str = "auto",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
+        router_dtype: Any = jnp.float32,
         kernel_init: nnx.Initializer = DEFAULT_INIT,
         out_init: nnx.Initializer = DEFAULT_INIT,
         rngs: nnx.Rngs,
@@ -140,36 +172,69 @@ class MoE(nnx.Module):
             raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
         self.dtype = float_dtype("dtype", dtype)
         param_dtype = float_dtype("param_dtype", param_dtype, allow_none=False)
+        router_dtype = float_dtype("router_dtype", router_dtype, allow_none=False)
         self.features, self.hidden_features = features, hidden_features
         self.num_experts, self.top_k, self.impl = num_experts, top_k, impl
-        # The router runs in fp32 whatever the activations: its softmax and the top-k choice
-        # are where bf16 rounding would flip which expert a token goes to.
-        self.router = Linear(
+        self.gate = Linear(
             features,
             num_experts,
             use_bias=False,
-            dtype=jnp.float32,
+            dtype=router_dtype,
             param_dtype=param_dtype,
             kernel_init=kernel_init,
             rngs=rngs,
         )
-        e, d, h = num_experts, features, hidden_features
-        self.w_gate = nnx.Param(kernel_init(rngs.params(), (e, d, h), param_dtype))
-        self.w_up = nnx.Param(kernel_init(rngs.params(), (e, d, h), param_dtype))
-        self.w_down = nnx.Param(out_init(rngs.params(), (e, h, d), param_dtype))
+        self.experts = MoEExperts(
+            features,
+            hidden_features,
+            num_experts,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            out_init=out_init,
+            rngs=rngs,
+        )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y, probs_NxE, experts_NxK = self._experts(x)
+        return y, load_balancing_loss(probs_NxE, experts_NxK)
+
+    def route(
+        self, x: jax.Array, *, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """``(y, (fraction_E, probability_E))``: the output and the router's statistics.
+
+        Over the real tokens (``segment_ids != 0``; every token without them, as
+        transformers excludes masked tokens): ``fraction_E`` the fraction of tokens routed
+        to each expert, summed over the k choices (so it sums to k), ``probability_E`` the
+        mean router probability of each expert. A model pools them over its layers into
+        Mixtral's balancing loss (``rudax.models``).
+        """
+        y, probs_NxE, experts_NxK = self._experts(x)
+        n_tokens = probs_NxE.shape[0]
+        real_N = (
+            jnp.ones((n_tokens,), jnp.float32)
+            if segment_ids is None
+            else (segment_ids.reshape(n_tokens) != 0).astype(jnp.float32)
+        )
+        n = jnp.maximum(jnp.sum(real_N), 1.0)
+        chosen_NxE = jnp.sum(jax.nn.one_hot(experts_NxK, self.num_experts), axis=1)
+        fraction_E = jnp.einsum("ne,n->e", chosen_NxE, real_N) / n
+        probability_E = jnp.einsum("ne,n->e", probs_NxE, real_N) / n
+        return y, (fraction_E, probability_E)
+
+    def _experts(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         x = jnp.asarray(x)
         _check_input(x, self.features)
         c = x.dtype if self.dtype is None else self.dtype
         x_NxD = x.reshape(-1, self.features).astype(c)
-        probs_NxE = jax.nn.softmax(self.router(x_NxD), axis=-1)
-        weights = [w[...].astype(c) for w in (self.w_gate, self.w_up, self.w_down)]
+        probs_NxE = jax.nn.softmax(self.gate(x_NxD).astype(jnp.float32), axis=-1)
+        w = self.experts
+        weights = [v[...].astype(c) for v in (w.w1, w.w3, w.w2)]
         y_NxD, experts_NxK = routed_experts(
             x_NxD, probs_NxE, *weights, top_k=self.top_k, impl=self.impl
         )
-        aux = load_balancing_loss(probs_NxE, experts_NxK)
-        return y_NxD.astype(c).reshape((*x.shape[:-1], self.features)), aux
+        y = y_NxD.astype(c).reshape((*x.shape[:-1], self.features))
+        return y, probs_NxE, experts_NxK
 
 
 def routed_experts(
@@ -184,8 +249,7 @@ def routed_experts(
 ) -> tuple[jax.Array, jax.Array]:
     """Each token through its ``top_k`` most probable SwiGLU experts, gates renormalized.
 
-    The shared core of ``MoE`` and of ``rudax.models``' Mixtral block, which differ only in
-    where the router's probabilities come from::
+    ``MoE``'s core (also ``rudax.models``' Mixtral block), for a router of one's own::
 
         experts, g = top_k(probs); g = g / sum(g)
         y = sum_k g_k * (silu(x @ w_gate[e_k]) * (x @ w_up[e_k])) @ w_down[e_k]

@@ -105,7 +105,7 @@ _PLAIN = (
     _llama_layers.LlamaAttention,
     _llama_layers.LlamaMLP,
     _mixtral.MixtralSparseMoeBlock,
-    _mixtral.MixtralExperts,
+    rl.MoEExperts,
     nnx.List,
     rl.Linear,
     rl.RMSNorm,

@@ -128,7 +128,8 @@ def test_compiles_once_per_shape():
 def test_projection_shapes_and_names_follow_the_layout():
     fused = rl.Attention(D, H, num_kv_heads=2, qkv_bias=True, rngs=nnx.Rngs(0))
     assert fused.projections == ("qkv_proj", "o_proj") and fused.head_dim == 4
-    assert fused.qkv_proj.kernel.shape == (D, (H + 2 * 2) * 4) and fused.qkv_proj.bias.shape == (32,)
+    assert fused.qkv_proj.kernel.shape == (D, (H + 2 * 2) * 4)
+    assert fused.qkv_proj.bias.shape == (32,)
     assert fused.o_proj.kernel.shape == (H * 4, D) and fused.o_proj.bias is None
     wide = rl.Attention(D, H, num_kv_heads=2, head_dim=8, fused_qkv=False, rngs=nnx.Rngs(0))
     assert wide.projections == ("q_proj", "k_proj", "v_proj", "o_proj") and wide.q_proj.bias is None

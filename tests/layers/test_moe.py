@@ -26,7 +26,7 @@ def _moe_reference(moe, x_NxD, k):
     """Per token: its top-k experts by router probability, gates renormalized (float64)."""
     w_r, w_g, w_u, w_d = (
         np.asarray(v.get_value(), np.float64)
-        for v in (moe.router.kernel, moe.w_gate, moe.w_up, moe.w_down)
+        for v in (moe.gate.kernel, moe.experts.w1, moe.experts.w3, moe.experts.w2)
     )
     silu = lambda z: z / (1.0 + np.exp(-z))
     out = []
@@ -47,7 +47,7 @@ def test_moe_matches_a_per_token_loop():
     x, cot = _normal(2, 3, 6, seed=1), _normal(6, 6, seed=2)
     moe = MoE(6, 10, 4, top_k=2, rngs=nnx.Rngs(0))
     # A router with larger weights, so the top-2 choice is well separated from ties.
-    moe.router.kernel.set_value(jnp.asarray(_normal(6, 4, seed=3)))
+    moe.gate.kernel.set_value(jnp.asarray(_normal(6, 4, seed=3)))
     want_y = _moe_reference(moe, x.reshape(6, 6), 2).reshape(2, 3, 6)
     # Gradients wrt the input and every weight, against a jnp loop over the same choices.
     chosen = [np.argsort(-p, kind="stable")[:2] for p in np.asarray(_router_probs(moe, x))]
@@ -55,13 +55,13 @@ def test_moe_matches_a_per_token_loop():
 
     def loop_loss(params, x):
         m = nnx.merge(graph, params)
-        p = jax.nn.softmax(x.reshape(6, 6) @ m.router.kernel[...], axis=-1)
+        p = jax.nn.softmax(x.reshape(6, 6) @ m.gate.kernel[...], axis=-1)
         total = jnp.zeros(())
         for n, (token, experts) in enumerate(zip(x.reshape(6, 6), chosen, strict=True)):
             gates = p[n, experts] / jnp.sum(p[n, experts])
             for g, e in zip(gates, experts, strict=True):
-                h = jax.nn.silu(token @ m.w_gate[e]) * (token @ m.w_up[e])
-                total = total + g * jnp.sum((h @ m.w_down[e]) * cot[n])
+                h = jax.nn.silu(token @ m.experts.w1[e]) * (token @ m.experts.w3[e])
+                total = total + g * jnp.sum((h @ m.experts.w2[e]) * cot[n])
         return total
 
     want = jax.jit(jax.grad(loop_loss, argnums=(0, 1)))(params, x)
@@ -81,7 +81,7 @@ def test_moe_matches_a_per_token_loop():
 
 
 def _router_probs(moe, x):
-    return jax.nn.softmax(x.reshape(-1, moe.features) @ moe.router.kernel[...], axis=-1)
+    return jax.nn.softmax(x.reshape(-1, moe.features) @ moe.gate.kernel[...], axis=-1)
 
 
 def test_load_balancing_loss_on_hand_made_routings():
@@ -98,14 +98,14 @@ def test_load_balancing_loss_on_hand_made_routings():
     moe = MoE(e, 8, e, top_k=1, rngs=nnx.Rngs(0))
     # Token i is the unit vector e_i and the router the identity times 3: token i goes to
     # expert i (f uniform) and P is uniform by symmetry, so the loss is exactly balanced: 1.
-    moe.router.kernel.set_value(3.0 * jnp.eye(e))
+    moe.gate.kernel.set_value(3.0 * jnp.eye(e))
     _, aux = _forward(moe, jnp.eye(e))
     np.testing.assert_allclose(float(aux), 1.0, rtol=1e-6)
     # Every logit of expert 0 raised: every token goes to it, aux = E * 1 * P_0.
-    moe.router.kernel.set_value(jnp.zeros((e, e)).at[:, 0].set(2.0))
+    moe.gate.kernel.set_value(jnp.zeros((e, e)).at[:, 0].set(2.0))
     x = np.abs(_normal(e, e)) + 0.1  # the shape above: no recompilation
     _, aux = _forward(moe, x)
-    p0 = _np_softmax(np.asarray(x, np.float64) @ np.asarray(moe.router.kernel[...]))[:, 0].mean()
+    p0 = _np_softmax(np.asarray(x, np.float64) @ np.asarray(moe.gate.kernel[...]))[:, 0].mean()
     np.testing.assert_allclose(float(aux), e * p0, rtol=1e-6)
     assert p0 > 0.5  # all on one expert: far from the balanced 1
 
@@ -129,3 +129,31 @@ def test_bad_input_is_named():
         moe(jnp.ones((2, 5)))
     with pytest.raises(TypeError, match="floating input"):
         moe(jnp.ones((2, 6), jnp.int32))
+
+
+def test_route_gives_the_statistics_of_the_loss_over_the_real_tokens():
+    moe = MoE(6, 10, 4, top_k=2, rngs=nnx.Rngs(0))
+    x = _normal(2, 5, 6, seed=4)
+    y, aux = _forward(moe, x)
+    y2, (fraction, probability) = nnx.jit(lambda m, x: m.route(x))(moe, x)
+    np.testing.assert_array_equal(y, y2)
+    np.testing.assert_allclose(np.sum(fraction), 2.0, rtol=1e-6)  # k choices per token
+    # load_balancing_loss's f is the assignments' fraction: route's fraction over k
+    np.testing.assert_allclose(4 * np.sum(fraction / 2 * probability), aux, rtol=1e-6)
+    # Padding (segment id 0) counts for nothing: the statistics of the real tokens alone.
+    segment_ids = np.array([[1, 1, 1, 0, 0], [2, 2, 0, 0, 0]], np.int32)
+    _, masked = moe.route(x, segment_ids=segment_ids)
+    _, real = moe.route(np.concatenate([x[0, :3], x[1, :2]])[None])
+    for a, b in zip(masked, real, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_router_dtype_is_where_the_logits_are_computed():
+    x = _normal(4, 6, seed=5)
+    fp32 = MoE(6, 10, 4, top_k=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    bf16 = MoE(6, 10, 4, top_k=2, dtype=jnp.bfloat16, router_dtype=jnp.bfloat16,
+               rngs=nnx.Rngs(0))  # fmt: skip
+    want = np.asarray(x, np.float32).astype(jnp.bfloat16) @ np.asarray(fp32.gate.kernel[...])
+    assert fp32.gate(x.astype(jnp.bfloat16)).dtype == jnp.float32
+    assert bf16.gate(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    np.testing.assert_allclose(fp32.gate(x.astype(jnp.bfloat16)), want, rtol=1e-6, atol=1e-6)
