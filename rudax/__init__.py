@@ -10,6 +10,7 @@ Subpackages (``import rudax.optim as ro``, or ``import rudax`` and then ``rudax.
 - ``rudax.checkpoint``: the whole training state saved and restored with orbax.
 - ``rudax.models``: Llama-family models read from and written to Hugging Face checkpoints,
   their training loss and generation with a KV cache.
+- ``rudax.post_train``: DPO and GRPO losses (TRL's definitions) over per-token log-probs.
 - ``rudax.run``: what a training program does around its steps: a metrics log that agrees
   with the checkpoints on resume, halting on a non-finite loss or weights, host memory.
 
@@ -29,7 +30,16 @@ __version__ = "0.1.0.dev0"
 # Imported on first use: each subpackage pulls in jax (and flax, optax or orbax), seconds on a
 # cold start, and ``import rudax`` must stay cheap for what needs only the package itself
 # (``rudax.__version__``, rudax.checkpoint's check that ``rudax`` is the real package).
-_SUBPACKAGES = ("checkpoint", "kernels", "layers", "models", "optim", "run", "sharding")
+_SUBPACKAGES = (
+    "checkpoint",
+    "kernels",
+    "layers",
+    "models",
+    "optim",
+    "post_train",
+    "run",
+    "sharding",
+)
 
 if TYPE_CHECKING:  # type checkers and IDEs see the subpackages as attributes
     from types import ModuleType
@@ -39,6 +49,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the subpackages as attributes
     from rudax import layers as layers
     from rudax import models as models
     from rudax import optim as optim
+    from rudax import post_train as post_train
     from rudax import run as run
     from rudax import sharding as sharding
 
@@ -49,6 +60,7 @@ __all__ = [
     "layers",
     "models",
     "optim",
+    "post_train",
     "run",
     "sharding",
 ]

@@ -35,6 +35,7 @@ PACKAGES = [
     "rudax.checkpoint",
     "rudax.models",
     "rudax.run",
+    "rudax.post_train",
 ]
 
 

@@ -13,7 +13,16 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["checkpoint", "kernels", "layers", "models", "optim", "run", "sharding"]
+SUBPACKAGES = [
+    "checkpoint",
+    "kernels",
+    "layers",
+    "models",
+    "optim",
+    "post_train",
+    "run",
+    "sharding",
+]
 
 
 def run(code: str) -> str:
