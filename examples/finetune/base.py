@@ -6,8 +6,8 @@
   no process ever holds the whole base. The adapters are put on by ``prepare`` before the
   layers are stacked and sharded, from the same seed either way, so both start from the same
   adapters.
-- ``files_digest``: the base's identity, the SHA-256 of its config.json and of the
-  safetensors files it is read from. It needs no loaded model, so a run loaded onto a mesh
+- the base's identity is ``rudax.models.checkpoint_digest``, the SHA-256 of its config.json and
+  of the safetensors files it is read from. It needs no loaded model, so a run loaded onto a mesh
   has it too, and it is the same whichever way the run loads the base. Runs started before it
   recorded ``model_digest`` (the model as loaded, leaf by leaf), which ``--resume`` still
   checks for them (``is_legacy``).
@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import rudax.models as rm
@@ -65,26 +64,8 @@ def parameter_count(config: rm.LlamaConfig) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(shapes)))
 
 
-def files_digest(base_dir: Path, hf_config: dict[str, Any]) -> str:
-    """The SHA-256 of the base's config (parsed: its formatting aside) and of every
-    safetensors file it is read from, by name, streamed. Process 0 reads the files and the
-    others take its digest, so a cluster reads them once."""
-    digest = ""
-    if jax.process_index() == 0:
-        h = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode())
-        for path in sorted({f.path for f in rm.open_checkpoint(base_dir).values()}):
-            h.update(f";{path.name}:".encode())
-            with open(path, "rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
-        digest = h.hexdigest()
-    if jax.process_count() == 1:
-        return digest
-    raw = np.frombuffer(digest.encode().ljust(64, b"\0"), np.uint8)
-    return bytes(multihost_utils.broadcast_one_to_all(raw)).decode()
-
-
 def model_digest(hf_config: dict[str, Any], model: rm.LlamaForCausalLM) -> str:
-    """The digest runs recorded before ``files_digest``: the base's config.json, then every
+    """The digest runs recorded before ``checkpoint_digest``: the base's config.json, then every
     leaf of the whole model as loaded (path, dtype, shape, bytes), before its adapters."""
     digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode())
     for path, leaf in jax.tree.leaves_with_path(nnx.state(model)):
@@ -98,7 +79,7 @@ def model_digest(hf_config: dict[str, Any], model: rm.LlamaForCausalLM) -> str:
 
 def legacy_run(run_dir: Path, resume: bool) -> bool:
     """Whether this session continues a run whose config.json records a ``model_digest``
-    (started before ``files_digest``): it is checked against that digest."""
+    (started before ``checkpoint_digest``): it is checked against that digest."""
     if not resume:
         return False
     saved = json.loads((run_dir / "config.json").read_text())

@@ -345,7 +345,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         )
     except ValueError as e:
         raise UsageError(f"--base {base_dir}: {e}") from e
-    base_digest = digests[0] if legacy else base_.files_digest(base_dir, hf_config)
+    base_digest = digests[0] if legacy else rm.checkpoint_digest(base_dir)
     n_base = base_.parameter_count(trained.config)
     # Over a mesh with fsdp, the model the step holds is sharded; `model`, if the base was
     # loaded whole (a legacy run), keeps the whole one for sampling and the adapter file.
@@ -392,7 +392,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         if not val_batches:
             return None
         ms = jax.device_get(
-            [steps.evaluate(adapters, rngs, base, put(mesh_.own_rows(b))) for b in val_batches]
+            [steps.evaluate(adapters, rngs, base, put(rs.local_rows(b))) for b in val_batches]
         )
         return sum(float(m["ce_sum"]) for m in ms) / max(1, sum(int(m["tokens"]) for m in ms))
 
@@ -562,12 +562,12 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         return result
     nnx.update(trained, adapters, rngs)
     if mesh is not None and model is not None:
-        mesh_.gather_into(model, trained)  # the adapters whole, on every process
+        rm.gather_adapters_into(model, trained)  # the adapters whole, on every process
     if sampling:
         when = f"update {step}"
         samples[step] = _sample(sampler, tokenizer, sample_data, args.sample_tokens, when)
     if model is None:  # read onto the mesh: the adapters gathered into a model of no weights
-        saver = mesh_.whole_adapters(trained, add_adapters)
+        saver = rm.gather_adapters(trained, add_adapters)
     else:
         saver = model
         model.scan_layers = False  # peft's files name each layer's adapters (converted in place)

@@ -22,8 +22,11 @@ training FLOPs (for MFU), ``ChatTemplate`` renders a tokenizer's own chat templa
 from rudax.models._chat import ChatTemplate as ChatTemplate
 from rudax.models._chat import load_chat_template as load_chat_template
 from rudax.models._flops import flops_per_token as flops_per_token
+from rudax.models._gather import gather_adapters as gather_adapters
+from rudax.models._gather import gather_adapters_into as gather_adapters_into
 from rudax.models._generate import Generation as Generation
 from rudax.models._generate import generate as generate
+from rudax.models._hf_digest import checkpoint_digest as checkpoint_digest
 from rudax.models._hf_files import PROJECTIONS as PROJECTIONS
 from rudax.models._hf_files import from_pretrained as from_pretrained
 from rudax.models._hf_files import open_checkpoint as open_checkpoint
@@ -50,8 +53,11 @@ __all__ = [
     "SafetensorsFile",
     "SharedPrefixBatch",
     "causal_lm_loss_sum",
+    "checkpoint_digest",
     "flops_per_token",
     "from_pretrained",
+    "gather_adapters",
+    "gather_adapters_into",
     "generate",
     "load_chat_template",
     "open_checkpoint",

@@ -5,7 +5,8 @@ Everything here runs inside ``jax.shard_map`` over a ``jax.sharding.Mesh`` (Auto
 Around such a step, a training program's mesh: ``parse_mesh`` / ``mesh_text`` (the
 ``data=2,fsdp=4`` flag), ``make_mesh`` (every process's devices in process order),
 ``state_shardings`` / ``place`` / ``replicate`` (the train state on it, what each process
-holds whole made global) and ``batch_sharding`` / ``put_batch`` (each process's rows).
+holds whole made global), ``batch_sharding`` / ``local_rows`` / ``put_batch`` (each process's
+rows) and ``make_train_steps`` (a program's jitted steps over it).
 """
 
 # Public names, re-exported one per line (``from rudax.sharding._x import a as a``), each in
@@ -33,6 +34,7 @@ from rudax.sharding._memory import bytes_per_device as bytes_per_device
 # [block: mesh]
 from rudax.sharding._mesh import MESH_AXES as MESH_AXES
 from rudax.sharding._mesh import batch_sharding as batch_sharding
+from rudax.sharding._mesh import local_rows as local_rows
 from rudax.sharding._mesh import make_mesh as make_mesh
 from rudax.sharding._mesh import mesh_text as mesh_text
 from rudax.sharding._mesh import parse_mesh as parse_mesh
@@ -63,6 +65,7 @@ __all__ = [
     "bytes_per_device",
     "collectives",
     "fsdp_muon",
+    "local_rows",
     "make_mesh",
     "make_train_steps",
     "mesh_text",

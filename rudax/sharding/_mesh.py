@@ -33,6 +33,7 @@ from rudax.sharding._fsdp import shard_specs
 __all__ = [
     "MESH_AXES",
     "batch_sharding",
+    "local_rows",
     "make_mesh",
     "mesh_text",
     "parse_mesh",
@@ -170,6 +171,23 @@ def place(tree: Any, mesh: Mesh, *, axis: str = "fsdp") -> Any:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """A batch's layout: its rows (the leading axis) split over every mesh axis, in order."""
     return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+
+def local_rows(batch: Any) -> Any:
+    """This process's rows of a whole batch, as ``put_batch`` takes them.
+
+    Each leaf's rows ``[p * b, (p + 1) * b)``, ``b`` the rows per process and ``p`` this
+    process's index: ``make_mesh``'s process order makes a process's devices a contiguous
+    block of the batch's rows. One process: the whole batch.
+
+    Example:
+      >>> import numpy as np
+      >>> from rudax.sharding import local_rows
+      >>> local_rows({"tokens": np.arange(8).reshape(4, 2)})["tokens"].shape  # one process
+      (4, 2)
+    """
+    p, n = jax.process_index(), jax.process_count()
+    return jax.tree.map(lambda rows: rows[p * len(rows) // n : (p + 1) * len(rows) // n], batch)
 
 
 def put_batch(local: Any, mesh: Mesh, rows: int) -> Any:
