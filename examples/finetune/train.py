@@ -53,7 +53,6 @@ The run, top to bottom:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -82,143 +81,19 @@ import rudax.sharding as rs
 from examples.finetune import base as base_
 from examples.finetune import instructions
 from examples.finetune import mesh as mesh_
-from examples.finetune.cli import HelpFormatter, UsageError, given_flags
+from examples.finetune.cli import UsageError, given_flags
+from examples.finetune.config import (
+    DEFAULT_BASE,
+    DEFAULT_BASE_RUN,
+    DEFAULT_DATA,
+    DTYPES,
+    PLACES,
+    SESSION_FLAGS,
+    FinetuneConfig,
+    build_parser,
+)
 from examples.finetune.data import BaseTokenizer, FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
-
-DEFAULT_BASE, DEFAULT_BASE_RUN = Path("hf/base"), Path("runs/base")
-DEFAULT_DATA = Path("data/instructions")
-# Flags that may change between the sessions of one run; every other one is the run's.
-# Flags of one session, not of the run: a resumed run may change them. --remat changes
-# memory and time only (the gradients are the same: tests/lm/test_remat.py). --scan-layers is
-# the run's: its checkpoints hold the layers' adapters stacked.
-SESSION_FLAGS = (
-    "resume",
-    "stop_at",
-    "export",
-    "merged",
-    "name",
-    "runs_dir",
-    "run_dir",
-    "remat",
-    "sample_tokens",
-    # rudax.run.add_distributed_flags': where this session's processes meet
-    "coordinator",
-    "num_processes",
-    "process_id",
-    "distributed_timeout",
-    "heartbeat_timeout",
-)
-# Where the base and the data are: a resumed run may find them elsewhere (their contents are
-# what is checked: the base's digest and the data's identity), and takes the run's if not given.
-PLACES = ("base", "data", "val_data")
-DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser; ``--help`` lists every flag with its default."""
-    p = argparse.ArgumentParser(
-        prog="python -m examples.finetune",
-        # one line above an error, not every flag: --help lists them
-        usage="%(prog)s [flags]  (--help lists them)",
-        description="QLoRA / LoRA fine-tuning of a Hugging Face Llama directory on JSONL.",
-        formatter_class=HelpFormatter,
-        allow_abbrev=False,
-    )
-    run = p.add_argument_group("run (session flags)")
-    run.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
-    run.add_argument("--name", help="run directory name (default: finetune-<timestamp>)")
-    run.add_argument("--run-dir", help="the run directory itself (overrides --runs-dir/--name)")
-    run.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
-    run.add_argument("--stop-at", type=int, help="stop after this update, as an interruption would")
-    run.add_argument("--export", help="the PEFT adapter's directory (default: RUN/adapter)")
-    run.add_argument(
-        "--merged",
-        metavar="DIR",
-        help="also write the tuned model, adapters folded in (merge_lora), as a Hugging Face "
-        "checkpoint with the base's tokenizer, stored in --param-dtype as the base was",
-    )
-    run.add_argument(
-        "--sample-tokens",
-        type=int,
-        default=32,
-        help="greedy tokens of the first validation prompt printed before and after "
-        "training (0: none)",
-    )
-    base = p.add_argument_group("base and data (run flags)")
-    base.add_argument("--base", help=f"the HF directory (default: {DEFAULT_BASE})")
-    base.add_argument(
-        "--data",
-        help="training JSONL (prompt/completion, messages or text records) or a .txt file "
-        "(default: the standard library set)",
-    )
-    base.add_argument("--val-data", help="validation JSONL or .txt (default: the set's val.jsonl)")
-    base.add_argument("--seq-len", type=int, default=256, help="tokens per row")
-    base.add_argument("--no-pack", dest="pack", action="store_false", help="one example per row")
-    base.add_argument(
-        "--too-long",
-        choices=("error", "drop"),
-        help="an example longer than --seq-len (default: error; drop for the generated set)",
-    )
-    base.add_argument("--seed", type=int, default=0, help="adapter init, dropout, data order")
-    model = p.add_argument_group("model (run flags)")
-    model.add_argument("--quantize", choices=("nf4", "none"), default="nf4", help="the base")
-    model.add_argument(
-        "--absmax-rounding",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="with --quantize nf4, whose 8-bit absmax codes (QLoRA's double quantization) "
-        "to reproduce bit for bit: bitsandbytes' CUDA kernel, which quantized the checkpoints "
-        "people share, or its CPU kernel, which rounds about 1 in 400 of them the other way "
-        "(rudax.kernels.nf4_quantize)",
-    )
-    model.add_argument(
-        "--param-dtype", choices=sorted(DTYPES), default="bfloat16", help="unquantized storage"
-    )
-    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
-    model.add_argument(
-        "--remat",
-        choices=rl.REMAT_POLICIES,
-        default="none",
-        help="activation checkpointing of each block, as examples.lm.train's (may change on "
-        "--resume)",
-    )
-    model.add_argument(
-        "--scan-layers",
-        action="store_true",
-        help="the blocks stored stacked and run as one lax.scan; needs --dropout 0 (a flag of "
-        "the run: its checkpoints hold the adapters stacked)",
-    )
-    model.add_argument(
-        "--targets",
-        type=lambda s: [t.strip() for t in s.split(",")],
-        default=list(rm.PROJECTIONS),
-        help="comma-separated module names to adapt (peft's target_modules)",
-    )
-    model.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    model.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha/rank)")
-    model.add_argument("--dropout", type=float, default=0.05, help="dropout on adapter inputs")
-    model.add_argument(
-        "--mesh",
-        type=mesh_.parse_mesh,
-        help="spread each step over devices, e.g. data=2,fsdp=4: rows split over both, the "
-        "base, adapters and moments stored 1/fsdp per device (examples/finetune/mesh.py); "
-        "the product is the device count of the run (all its processes)",
-    )
-    opt = p.add_argument_group("optimizer and loop (run flags)")
-    opt.add_argument("--steps", type=int, default=40, help="optimizer updates")
-    opt.add_argument("--batch-size", type=int, default=8, help="rows per microbatch")
-    opt.add_argument("--grad-accum", type=int, default=1, help="microbatches per update")
-    opt.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    opt.add_argument("--warmup", type=int, default=4, help="linear warmup updates")
-    opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine's end / peak")
-    opt.add_argument("--clip", type=float, default=1.0, help="global gradient norm")
-    opt.add_argument("--eval-every", type=int, default=10, help="updates per validation")
-    opt.add_argument("--eval-batches", type=int, default=8, help="validation batches (at most)")
-    opt.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
-    opt.add_argument("--keep", type=int, default=2, help="checkpoints kept")
-    rr.add_distributed_flags(p)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -230,45 +105,45 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    config = FinetuneConfig.from_flags(parser.parse_args(argv))
     return rr.run_program(
-        parser, lambda: finetune(args, given_flags(parser, argv)), usage_error=UsageError
+        parser, lambda: finetune(config, given_flags(parser, argv)), usage_error=UsageError
     )
 
 
-def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[str, Any]:
+def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring. ``given``: the flags on the
     command line (None: those that differ from their defaults)."""
     # --------------------------------------------------------------------------- processes
     # First, before anything starts a JAX backend.
     try:
-        multi = rr.initialize_from_flags(args)
+        multi = rr.initialize_from_flags(config)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if multi and not (args.run_dir or args.name):
+    if multi and not (config.run_dir or config.name):
         # the default name is the time, which each process reads for itself
         raise UsageError("several processes write one run: give it a --name or --run-dir")
 
     # --------------------------------------------------------------------------- config
-    run_dir = _run_dir(args)
-    if args.resume:
-        args = _run_flags(args, run_dir, given)
+    run_dir = _run_dir(config)
+    if config.resume:
+        config = _run_flags(config, run_dir, given)  # the run's flags, this session's on top
     elif (run_dir / "config.json").exists():
         _check_finetune_run(run_dir)
         raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
-    _check_flags(args, run_dir)
-    stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-    base_dir = _base_dir(args.base)
-    train_path, val_path, generated = _data_paths(args)
-    too_long = args.too_long or ("drop" if generated else "error")
-    if multi and not args.mesh:
+    _check_flags(config, run_dir)
+    stop = config.steps if config.stop_at is None else min(config.stop_at, config.steps)
+    base_dir = _base_dir(config.base)
+    train_path, val_path, generated = _data_paths(config)
+    too_long = config.too_long or ("drop" if generated else "error")
+    if multi and not config.mesh:
         raise UsageError(
             "several processes tune one model over a mesh of all their devices: give --mesh "
             "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
         )
     rr.retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
     try:
-        mesh = None if not args.mesh else rs.make_mesh(args.mesh)
+        mesh = None if not config.mesh else rs.make_mesh(config.mesh)
     except ValueError as e:
         raise UsageError(f"--mesh {e}") from e
     if multi:  # every process has checked the run directory before any writes to it
@@ -282,39 +157,42 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         tokenizer = load_tokenizer(base_dir)
         hf_config = json.loads((base_dir / "config.json").read_text())
         limit = hf_config.get("max_position_embeddings")
-        if limit is not None and args.seq_len > limit:
+        if limit is not None and config.seq_len > limit:
             raise UsageError(
-                f"--seq-len {args.seq_len}: the base has {limit} positions "
+                f"--seq-len {config.seq_len}: the base has {limit} positions "
                 f"(max_position_embeddings in {base_dir / 'config.json'})"
             )
-        kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, too_long=too_long)
-        kw |= dict(vocab_size=hf_config.get("vocab_size"))
-        train_data = FinetuneData(train_path, tokenizer, seed=args.seed, pack=args.pack, **kw)
-        val_data = (
-            None
-            if val_path is None
-            else FinetuneData(
-                val_path, tokenizer, seed=args.seed, pack=args.pack, shuffle=False, **kw
-            )
+        read = lambda path, shuffle: FinetuneData(
+            path,
+            tokenizer,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            pack=config.pack,
+            shuffle=shuffle,
+            too_long=too_long,
+            vocab_size=hf_config.get("vocab_size"),
         )
+        train_data = read(train_path, True)
+        val_data = None if val_path is None else read(val_path, False)
     except (DataError, ValueError) as e:
         raise UsageError(str(e)) from e
-    val_batches = [] if val_data is None else val_data.eval_batches()[: args.eval_batches]
+    val_batches = [] if val_data is None else val_data.eval_batches()[: config.eval_batches]
     for name, data in (("--data", train_data), ("--val-data", val_data)):
         if data is not None and data.dropped:
             say(
                 f"{name} {data.path}: {len(data.dropped)} examples longer than --seq-len "
-                f"{args.seq_len} left out (--too-long drop)"
+                f"{config.seq_len} left out (--too-long drop)"
             )
 
     # --------------------------------------------------------------------------- model
-    quantize = None if args.quantize == "none" else args.quantize
-    param_dtype, dtype = DTYPES[args.param_dtype], DTYPES[args.dtype]
+    quantize = None if config.quantize == "none" else config.quantize
+    param_dtype, dtype = DTYPES[config.param_dtype], DTYPES[config.dtype]
     load_kw = dict(
         param_dtype=param_dtype,
         dtype=dtype,
         quantize=quantize,
-        absmax_rounding=args.absmax_rounding,
+        absmax_rounding=config.absmax_rounding,
     )
     adapted: list[str] = []
 
@@ -322,17 +200,17 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         try:
             adapted[:] = rl.apply_lora(
                 m,
-                args.targets,
-                rank=args.rank,
-                alpha=args.alpha,
-                dropout=args.dropout,
-                rngs=nnx.Rngs(args.seed),
+                config.targets,
+                rank=config.rank,
+                alpha=config.alpha,
+                dropout=config.dropout,
+                rngs=nnx.Rngs(config.seed),
             )
         except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
-            raise UsageError(f"--targets {','.join(args.targets)}: {e}") from e
+            raise UsageError(f"--targets {','.join(config.targets)}: {e}") from e
 
     # A run started before the files' digest checks the model's, which needs it whole.
-    legacy = base_.legacy_run(run_dir, args.resume)
+    legacy = base_.legacy_run(run_dir, config.resume)
     digests: list[str] = []
     try:
         model, trained = base_.load(
@@ -340,7 +218,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             None if legacy else mesh,
             add_adapters,
             loaded=(lambda m: digests.append(base_.model_digest(hf_config, m))) if legacy else None,
-            scan_layers=args.scan_layers,
+            scan_layers=config.scan_layers,
             **load_kw,
         )
     except ValueError as e:
@@ -351,7 +229,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     # loaded whole (a legacy run), keeps the whole one for sampling and the adapter file.
     if mesh is not None and model is not None and "fsdp" in mesh.axis_names:
         trained = mesh_.shard(model, mesh)
-    trained.remat = args.remat  # read when the model is called: how it runs, not what it stores
+    trained.remat = config.remat  # read when the model is called: how it runs, not what it stores
     trained.eval()
     eval_def = nnx.graphdef(trained)  # dropout off
     trained.train()
@@ -368,9 +246,9 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
 
     # --------------------------------------------------------------------------- optimizer
     schedule = ro.warmup_cosine_decay_schedule(
-        0.0, args.lr, args.warmup, args.steps, end_value=args.lr * args.min_lr_ratio
+        0.0, config.lr, config.warmup, config.steps, end_value=config.lr * config.min_lr_ratio
     )
-    tx = optax.chain(ro.clip_by_global_norm(args.clip), ro.adamw(schedule, weight_decay=0.0))
+    tx = optax.chain(ro.clip_by_global_norm(config.clip), ro.adamw(schedule, weight_decay=0.0))
     opt_state = tx.init(adapters)
     acc = ro.GradientAccumulator.init(adapters, jnp.float32)
     if mesh is not None:
@@ -385,7 +263,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         real_tokens: Any = lambda batch: int(np.count_nonzero(batch["segment_ids"]))
     else:
         # this process's rows, placed; the count of real tokens over every process's rows
-        put = lambda batch: rs.put_batch(batch, mesh, args.batch_size)
+        put = lambda batch: rs.put_batch(batch, mesh, config.batch_size)
         real_tokens = lambda placed: int(_count_tokens(placed["segment_ids"]))
 
     def val_loss() -> float | None:
@@ -404,8 +282,9 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     }
     # Where the base and the data are is not the run's (a resumed run may find them elsewhere,
     # or take the default base): their identities stand for them in the checkpoint.
-    run_config = {k: v for k, v in vars(args).items() if k not in SESSION_FLAGS + PLACES} | identity
-    if args.resume:
+    run_config = {k: v for k, v in config.as_dict().items() if k not in SESSION_FLAGS + PLACES}
+    run_config |= identity
+    if config.resume:
         _check_identity(run_dir, identity)
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -419,9 +298,9 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         config=run_config,
     )
     step = 0
-    checkpointer = _checkpointer(run_dir, keep=args.keep)
-    resumed = args.resume and checkpointer.latest_step() is not None
-    if args.resume and not resumed:
+    checkpointer = _checkpointer(run_dir, keep=config.keep)
+    resumed = config.resume and checkpointer.latest_step() is not None
+    if config.resume and not resumed:
         say(f"--resume: {run_dir} has no checkpoint yet: starting from update 0")
     if resumed:
         try:
@@ -431,9 +310,9 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             raise
         adapters, rngs = restored.model["adapters"], restored.model["rngs"]
         opt_state, acc, step = restored.optimizer, restored.accumulator, restored.state["step"]
-        say(f"resumed {run_dir} at update {step} of {args.steps}")
+        say(f"resumed {run_dir} at update {step} of {config.steps}")
     # Written once every check has passed: a refused --resume leaves the run as it was.
-    saved = {**vars(args), **identity, "base": str(base_dir)}
+    saved = {**config.as_dict(), **identity, "base": str(base_dir)}
     if primary:
         (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
 
@@ -442,28 +321,30 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     # The model held whole samples on process 0 alone; one read onto the mesh samples over
     # it, every process taking part.
     sampler = trained if model is None else model
-    sampling = args.sample_tokens and (primary or model is None)
+    sampling = config.sample_tokens and (primary or model is None)
     if step == 0 and sampling:
-        samples[0] = _sample(sampler, tokenizer, sample_data, args.sample_tokens, "before training")
+        samples[0] = _sample(
+            sampler, tokenizer, sample_data, config.sample_tokens, "before training"
+        )
 
     # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
     log = rr.MetricsLog(
         run_dir / "metrics.jsonl",
-        resume_step=step if resumed else -1 if args.resume else None,
+        resume_step=step if resumed else -1 if config.resume else None,
         writer=primary,  # the run's one log, by process 0
     )
     where = ""
     if mesh is not None:
         where = (
-            f" over mesh {rs.mesh_text(args.mesh)} ({jax.process_count()} process(es); "
+            f" over mesh {rs.mesh_text(config.mesh or {})} ({jax.process_count()} process(es); "
             f"{base_device_bytes:,} base bytes per device)"
         )
     say(
         f"{base_dir}: {n_base:,} base parameters in {base_bytes:,} bytes "
-        f"({'NF4' if quantize else args.param_dtype}); LoRA r={args.rank} on {len(adapted)} "
+        f"({'NF4' if quantize else config.param_dtype}); LoRA r={config.rank} on {len(adapted)} "
         f"layers: {n_adapters:,} trained. {train_data.num_examples} examples "
-        f"({train_data.path}), updates {step + 1} to {stop} of {args.steps}{where}"
+        f"({train_data.path}), updates {step + 1} to {stop} of {config.steps}{where}"
     )
     if step == 0:
         log.write(kind="eval", step=0, val_loss=val_loss())
@@ -477,11 +358,11 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
             while step < stop:
                 step += 1
                 window, real = [], 0
-                for a in range(args.grad_accum):
+                for a in range(config.grad_accum):
                     # this process's rows of the batch (all of them on one process)
                     batch = put(
                         train_data.batch(
-                            (step - 1) * args.grad_accum + a,
+                            (step - 1) * config.grad_accum + a,
                             shard=jax.process_index(),
                             num_shards=jax.process_count(),
                         )
@@ -512,7 +393,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
                     tokens_per_s=rate,
                 )
                 paused = False
-                if step % args.eval_every == 0 or step == args.steps:
+                if step % config.eval_every == 0 or step == config.steps:
                     last["val_loss"] = val_loss()
                     log.write(kind="eval", step=step, val_loss=last["val_loss"])
                     (bar.write if primary else say)(
@@ -520,7 +401,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
                     )
                     paused = True
                 halt = interrupt.stop_after(step)  # every update, on every process
-                if step % args.checkpoint_every == 0 or step == stop or halt:
+                if step % config.checkpoint_every == 0 or step == stop or halt:
                     rr.check_finite(adapters, step=step, latest=checkpointer.latest_step)
                     checkpointer.save(step, record(step))
                     paused = True
@@ -539,7 +420,7 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
     log.close()
     plot = run_dir / "loss.png"
     if primary:
-        title = f"{run_dir.name}: LoRA r={args.rank} on {base_dir}"
+        title = f"{run_dir.name}: LoRA r={config.rank} on {base_dir}"
         rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
     result: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -553,10 +434,10 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         "peak_rss_bytes": _peak_rss_bytes(),
         "interrupted": interrupt.signal_name,
     }
-    if step < args.steps:
+    if step < config.steps:
         why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
         say(
-            f"stopped at update {step} of {args.steps} ({why}); continue with: "
+            f"stopped at update {step} of {config.steps} ({why}); continue with: "
             f"python -m examples.finetune --resume --run-dir {run_dir}"
         )
         return result
@@ -565,30 +446,30 @@ def finetune(args: argparse.Namespace, given: set[str] | None = None) -> dict[st
         rm.gather_adapters_into(model, trained)  # the adapters whole, on every process
     if sampling:
         when = f"update {step}"
-        samples[step] = _sample(sampler, tokenizer, sample_data, args.sample_tokens, when)
+        samples[step] = _sample(sampler, tokenizer, sample_data, config.sample_tokens, when)
     if model is None:  # read onto the mesh: the adapters gathered into a model of no weights
         saver = rm.gather_adapters(trained, add_adapters)
     else:
         saver = model
         model.scan_layers = False  # peft's files name each layer's adapters (converted in place)
     sampler.eval()
-    out = _adapter_dir(args, run_dir)
+    out = _adapter_dir(config, run_dir)
     if not primary:  # process 0 writes the adapter (and the merged model)
         return result | {"adapter": str(out), "model": sampler}
     rl.save_adapter(saver, out, base_model_name_or_path=str(base_dir))
     # How the base was held, for examples.generate to load it so (a QLoRA adapter on the
     # unquantized base computes another function); peft reads only its own two files.
-    held = {k: getattr(args, k) for k in ("quantize", "param_dtype", "dtype", "absmax_rounding")}
+    held = {k: getattr(config, k) for k in ("quantize", "param_dtype", "dtype", "absmax_rounding")}
     (out / "rudax_base.json").write_text(json.dumps(held, indent=1) + "\n")
-    if args.merged:
+    if config.merged:
         if model is None:  # the base whole, only now, with the trained adapters on
             _, merged = base_.load(base_dir, None, add_adapters, scan_layers=False, **load_kw)
             nnx.update(merged, nnx.state(saver, rl.LoRAParam))
         else:
             merged = nnx.clone(model)  # the returned model keeps its adapters
         rl.merge_lora(merged)
-        rm.save_pretrained(merged, args.merged, tokenizer=base_dir)
-        print(f"merged model: {args.merged} (a Hugging Face checkpoint)")
+        rm.save_pretrained(merged, config.merged, tokenizer=base_dir)
+        print(f"merged model: {config.merged} (a Hugging Face checkpoint)")
     result["peak_rss_bytes"] = peak = _peak_rss_bytes()  # the merge's copy included
     print(
         f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
@@ -640,39 +521,30 @@ def _show(x: float | None, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def _run_dir(args: argparse.Namespace) -> Path:
-    if args.run_dir:
-        return Path(args.run_dir)
-    return Path(args.runs_dir) / (args.name or time.strftime("finetune-%Y%m%d-%H%M%S"))
+def _run_dir(config: FinetuneConfig) -> Path:
+    if config.run_dir:
+        return Path(config.run_dir)
+    return Path(config.runs_dir) / (config.name or time.strftime("finetune-%Y%m%d-%H%M%S"))
 
 
-def _adapter_dir(args: argparse.Namespace, run_dir: Path) -> Path:
-    return Path(args.export) if args.export else run_dir / "adapter"
+def _adapter_dir(config: FinetuneConfig, run_dir: Path) -> Path:
+    return Path(config.export) if config.export else run_dir / "adapter"
 
 
-def _run_flags(
-    args: argparse.Namespace, run_dir: Path, given: set[str] | None
-) -> argparse.Namespace:
+def _run_flags(config: FinetuneConfig, run_dir: Path, given: set[str] | None) -> FinetuneConfig:
     """--resume: the run's flags from its config.json; this session's flags on top."""
     try:
         saved = json.loads((run_dir / "config.json").read_text())
     except FileNotFoundError:
         raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
     _check_finetune_run(run_dir)
-    defaults = vars(build_parser().parse_args([]))
     if given is None:
-        given = {k for k, v in vars(args).items() if v != defaults.get(k)}
-    conflicts = [
-        f"--{k.replace('_', '-')} {getattr(args, k)!r} (the run has {saved.get(k)!r})"
-        for k in sorted(given)
-        if k not in SESSION_FLAGS + PLACES and k in saved and saved[k] != getattr(args, k)
-    ]
-    if conflicts:
-        raise UsageError("--resume: flags differ from the run's: " + "; ".join(conflicts))
-    merged = {k: saved.get(k, v) for k, v in defaults.items()}
-    merged |= {k: getattr(args, k) for k in SESSION_FLAGS}
-    merged |= {k: getattr(args, k) for k in PLACES if k in given}
-    return argparse.Namespace(**merged)
+        defaults = FinetuneConfig.defaults().as_dict()
+        given = {k for k, v in config.as_dict().items() if v != defaults[k]}
+    try:
+        return config.resumed(saved, given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _check_finetune_run(run_dir: Path) -> None:
@@ -690,55 +562,56 @@ def _check_finetune_run(run_dir: Path) -> None:
         )
 
 
-def _check_flags(args: argparse.Namespace, run_dir: Path) -> None:
+def _check_flags(config: FinetuneConfig, run_dir: Path) -> None:
     positive = ("seq_len", "steps", "batch_size", "grad_accum", "rank", "eval_every")
     positive += ("eval_batches", "checkpoint_every", "keep", "alpha", "lr", "clip")
     for name in positive:
-        value = getattr(args, name)
+        value = getattr(config, name)
         if not value > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if not 0 <= args.dropout < 1:
-        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.scan_layers and args.dropout:
+    if not 0 <= config.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {config.dropout}")
+    if config.scan_layers and config.dropout:
         raise UsageError(
-            f"--scan-layers needs --dropout 0, got --dropout {args.dropout}: a scan would draw "
+            f"--scan-layers needs --dropout 0, got --dropout {config.dropout}: a scan would draw "
             "the same dropout masks in every block"
         )
-    if not 0 <= args.min_lr_ratio <= 1:
-        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-    devices = math.prod(args.mesh.values()) if args.mesh else 1
-    if args.batch_size % devices:  # each batch's rows are split over every axis of the mesh
+    if not 0 <= config.min_lr_ratio <= 1:
+        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
+    devices = math.prod(config.mesh.values()) if config.mesh else 1
+    if config.batch_size % devices:  # each batch's rows are split over every axis of the mesh
         raise UsageError(
             f"--batch-size must be divisible by the mesh's {devices} devices (each holds an "
-            f"equal slice), got --batch-size {args.batch_size}, --mesh {rs.mesh_text(args.mesh)}"
+            f"equal slice), got --batch-size {config.batch_size}, "
+            f"--mesh {rs.mesh_text(config.mesh or {})}"
         )
     for flag in ("data", "val_data"):  # before anything is exported or written
-        path = getattr(args, flag)
+        path = getattr(config, flag)
         if path is not None and not Path(path).is_file():
             raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
-    if not 0 <= args.warmup < args.steps:
-        raise UsageError(f"--warmup must be in [0, --steps), got {args.warmup}, {args.steps=}")
-    if args.merged:
-        merged = Path(args.merged)
+    if not 0 <= config.warmup < config.steps:
+        raise UsageError(f"--warmup must be in [0, --steps), got {config.warmup}, {config.steps=}")
+    if config.merged:
+        merged = Path(config.merged)
         if merged.exists() and not merged.is_dir():
             raise UsageError(f"--merged {merged}: a file, not a directory")
-        base = Path(args.base) if args.base is not None else DEFAULT_BASE
+        base = Path(config.base) if config.base is not None else DEFAULT_BASE
         if merged.resolve() == base.resolve():
             raise UsageError(f"--merged {merged} is the base itself, which is only read")
-        if merged.resolve() == _adapter_dir(args, run_dir).resolve():
+        if merged.resolve() == _adapter_dir(config, run_dir).resolve():
             raise UsageError(f"--merged {merged} is the adapter's directory: write elsewhere")
         if (merged / "model.safetensors.index.json").exists():
             raise UsageError(f"--merged {merged} holds a sharded checkpoint: write elsewhere")
-        if args.quantize != "none" and set(args.targets) != set(rm.PROJECTIONS):
+        if config.quantize != "none" and set(config.targets) != set(rm.PROJECTIONS):
             raise UsageError(
-                f"--merged with --quantize {args.quantize} needs every projection adapted "
+                f"--merged with --quantize {config.quantize} needs every projection adapted "
                 f"(--targets {','.join(rm.PROJECTIONS)}): the others would stay 4-bit, "
                 "which a Hugging Face checkpoint cannot hold"
             )
-    if args.sample_tokens < 0:
-        raise UsageError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
-    if args.stop_at is not None and args.stop_at <= 0:
-        raise UsageError(f"--stop-at must be positive, got {args.stop_at}")
+    if config.sample_tokens < 0:
+        raise UsageError(f"--sample-tokens must be >= 0, got {config.sample_tokens}")
+    if config.stop_at is not None and config.stop_at <= 0:
+        raise UsageError(f"--stop-at must be positive, got {config.stop_at}")
 
 
 def _base_dir(base: str | None) -> Path:
@@ -782,17 +655,17 @@ def _is_hf_dir(path: Path) -> bool:
     return isinstance(config, dict) and "model_type" in config
 
 
-def _data_paths(args: argparse.Namespace) -> tuple[Path, Path | None, bool]:
+def _data_paths(config: FinetuneConfig) -> tuple[Path, Path | None, bool]:
     """(train, val, generated): --data/--val-data, or the standard-library set, made once."""
-    if args.data is not None:
-        return Path(args.data), None if args.val_data is None else Path(args.val_data), False
+    if config.data is not None:
+        return Path(config.data), None if config.val_data is None else Path(config.val_data), False
     if not (DEFAULT_DATA / instructions.TRAIN).exists():
         counts = instructions.write(DEFAULT_DATA)
         print(
             f"{DEFAULT_DATA}: {counts['train']} training and {counts['val']} validation "
             "examples from the standard library's docstrings"
         )
-    val = Path(args.val_data) if args.val_data else DEFAULT_DATA / instructions.VAL
+    val = Path(config.val_data) if config.val_data else DEFAULT_DATA / instructions.VAL
     return DEFAULT_DATA / instructions.TRAIN, val, True
 
 

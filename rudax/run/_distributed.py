@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import jax
 
@@ -44,6 +45,23 @@ __all__ = [
 
 # The variables a launcher sets (JAX_COORDINATOR_ADDRESS is jax's own).
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+class DistributedFlags(Protocol):
+    """What ``initialize_from_flags`` reads: ``add_distributed_flags``' flags, as attributes
+    of the parsed ``argparse.Namespace`` or of a program's configuration built from it."""
+
+    # read-only: a frozen dataclass's fields satisfy them
+    @property
+    def coordinator(self) -> str | None: ...
+    @property
+    def num_processes(self) -> int | None: ...
+    @property
+    def process_id(self) -> int | None: ...
+    @property
+    def distributed_timeout(self) -> int: ...
+    @property
+    def heartbeat_timeout(self) -> int: ...
 
 
 class DistributedError(RuntimeError):
@@ -175,7 +193,7 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def initialize_from_flags(args: argparse.Namespace) -> bool:
+def initialize_from_flags(args: DistributedFlags) -> bool:
     """``initialize`` with the flags of ``add_distributed_flags``; its result."""
     return initialize(
         args.coordinator,
