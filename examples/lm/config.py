@@ -15,6 +15,7 @@ same message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -68,6 +69,92 @@ RUN_KEYS = (
 MODEL = "llama"
 
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A run's configuration: every flag of ``build_parser``, typed (see ``--help``), built
+    once from the parsed command line. A resumed run's (its run flags) and an ``--init-from``
+    Hugging Face directory's (its shape) are new records (``dataclasses.replace``)."""
+
+    # session
+    runs_dir: str
+    name: str | None
+    run_dir: str | None
+    resume: bool
+    resume_step: int | None
+    init_from: str | None
+    stop_at: int | None
+    log_every: int
+    tensorboard: bool
+    eval_every: int
+    checkpoint_every: int
+    keep: int
+    max_skipped_updates: int
+    profile: bool
+    trace: str | None
+    # data
+    data: str | None
+    data_dir: str | None
+    vocab_size: int
+    seed: int
+    eval_batches: int
+    # model
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_hidden: int | None
+    moe: bool
+    num_experts: int
+    top_k: int
+    moe_aux_weight: float
+    param_dtype: str
+    deterministic: bool
+    remat: str
+    scan_layers: bool
+    compute_dtype: str
+    # optimizer
+    optimizer: str
+    lr: float
+    muon_lr: float
+    min_lr_ratio: float
+    warmup: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    clip: float
+    # batch, schedule and devices
+    batch_size: int
+    grad_accum: int
+    steps: int
+    mesh: dict[str, int] | None
+    # not flags: the model fields an --init-from HF directory decided; the checkpoints' class
+    architecture: dict[str, Any] | None = None
+    model: str = MODEL
+    # where this session's processes meet (rudax.run.add_distributed_flags; not the plan's)
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed_timeout: int = 300
+    heartbeat_timeout: int = 60
+
+    @classmethod
+    def from_flags(cls, flags: argparse.Namespace | dict[str, Any]) -> TrainConfig:
+        """The configuration of parsed flags (a program's parser may add its own: left out)."""
+        values = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+
+    @classmethod
+    def of_run(cls, saved: dict[str, Any]) -> TrainConfig:
+        """A run's configuration from its config.json: a flag added since the run was started
+        (absent there) takes its default."""
+        return cls.from_flags({**vars(build_parser().parse_args([])), **saved})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, JSON-able: the run directory's config.json."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 class UsageError(Exception):
@@ -349,12 +436,12 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str
     return given
 
 
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
+def run_config(args: TrainConfig) -> dict[str, Any]:
     """The run flags as a JSON-able dict, the config a run is stored and checked with."""
     return {key: getattr(args, key) for key in RUN_KEYS}
 
 
-def check_session(args: argparse.Namespace) -> None:
+def check_session(args: TrainConfig) -> None:
     """The session flags' own cross-checks, before --resume reads the run's flags."""
     if args.resume and args.init_from:
         raise UsageError("--resume continues a run; --init-from starts a new one: pick one")
@@ -364,7 +451,7 @@ def check_session(args: argparse.Namespace) -> None:
         raise UsageError("--resume needs the run to continue: give --run-dir or --name")
 
 
-def check(args: argparse.Namespace) -> None:
+def check(args: TrainConfig) -> None:
     """Cross-flag checks; UsageError names the flags and their values."""
     if args.warmup >= args.steps:
         raise UsageError(f"--warmup must be < --steps, got {args.warmup=}, {args.steps=}")
@@ -398,7 +485,7 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def check_seq_len(args: argparse.Namespace) -> None:
+def check_seq_len(args: TrainConfig) -> None:
     """--seq-len that no machine of this kind can run, refused before anything is built.
 
     Issue 39: --seq-len 1000000000 allocated 238 GiB before failing. Whatever the model, a
@@ -412,7 +499,7 @@ def check_seq_len(args: argparse.Namespace) -> None:
             f"--seq-len {args.seq_len}: positions are int32, so at most {MAX_SEQ_LEN:,}"
         )
     memory = host_memory_bytes()
-    architecture = getattr(args, "architecture", None) or {}
+    architecture = args.architecture or {}
     head_dim = architecture.get("head_dim") or args.d_model // args.n_heads
     if memory is None or not head_dim:
         return

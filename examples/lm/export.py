@@ -71,8 +71,8 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, 
             f"{run_dir} was trained by an earlier examples.lm.train (a GPT): export it with "
             "the rudax version that wrote it"
         )
-    args = argparse.Namespace(**saved)
-    data_dir = Path(args.data_dir or train._default_data_dir(args.data))
+    flags = train.cfg.TrainConfig.of_run(saved)
+    data_dir = Path(flags.data_dir or train._default_data_dir(flags.data))
     try:
         meta = read_prepared(data_dir)
     except (FileNotFoundError, ValueError) as e:
@@ -80,13 +80,13 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, 
     tokenizer = data_dir / TOKENIZER
     if not tokenizer.is_file():
         raise UsageError(f"the run's data directory {data_dir} has no {TOKENIZER}")
-    spec = model_spec(args, meta["vocab_size"])
+    spec = model_spec(flags, meta["vocab_size"])
     root = run_dir / "checkpoints"
     if not root.is_dir():
         raise UsageError(f"{run_dir} has no checkpoints/ directory")
-    model = spec.create(args.seed)  # the structure; every weight is read from the checkpoint
+    model = spec.create(flags.seed)  # the structure; every weight is read from the checkpoint
     template: Any = model
-    if "fsdp" in (args.mesh or {}):
+    if "fsdp" in (flags.mesh or {}):
         # The checkpoint holds FSDP's flat shards; a one-device context reads them whole.
         template = shard(model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",)))
     graphdef, params, rest = nnx.split(template, nnx.Param, ...)

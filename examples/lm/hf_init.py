@@ -23,13 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import rudax.models as rm
-from examples.lm.config import UsageError
+from examples.lm.config import TrainConfig, UsageError
 from examples.lm.spec import ModelSpec
 from examples.lm.tokenizer import TOKENIZER
 
@@ -53,37 +52,36 @@ def is_hf_dir(path: Path) -> bool:
     return isinstance(config, dict) and "model_type" in config
 
 
-def take_architecture(args: Any, given: set[str], hf_dir: Path) -> None:
-    """Sets the shape flags and ``args.architecture`` from hf_dir's config.json.
+def take_architecture(flags: TrainConfig, given: set[str], hf_dir: Path) -> TrainConfig:
+    """The flags with the shape and ``architecture`` of hf_dir's config.json (a new record).
 
     Raises UsageError for a config.json ``LlamaConfig.from_hf`` refuses (naming the field),
     ``--moe`` (the checkpoint decides whether it has experts), a shape flag given with another
     value than the checkpoint's, or a ``--seq-len`` past its positions.
     """
     hf = _config(hf_dir)
-    if args.moe:
+    if flags.moe:
         raise UsageError(
             f"--init-from {hf_dir}: the checkpoint's config.json decides whether the model has "
             "experts; drop --moe"
         )
     conflicts = [
-        f"--{flag.replace('_', '-')} {getattr(args, flag)} (the checkpoint has "
+        f"--{flag.replace('_', '-')} {getattr(flags, flag)} (the checkpoint has "
         f"{getattr(hf, field)})"
         for flag, field in SHAPE_FLAGS.items()
-        if flag in given and getattr(args, flag) != getattr(hf, field)
+        if flag in given and getattr(flags, flag) != getattr(hf, field)
     ]
     if conflicts:
         raise UsageError(
             f"--init-from {hf_dir}: the model's shape is its config.json's; flags differ: "
             + "; ".join(conflicts)
         )
-    if args.seq_len > hf.max_position_embeddings:
+    if flags.seq_len > hf.max_position_embeddings:
         raise UsageError(
-            f"--seq-len {args.seq_len} is more than the {hf.max_position_embeddings} positions "
+            f"--seq-len {flags.seq_len} is more than the {hf.max_position_embeddings} positions "
             f"of --init-from {hf_dir} (max_position_embeddings)"
         )
-    for flag, field in SHAPE_FLAGS.items():
-        setattr(args, flag, getattr(hf, field))
+    shape = {flag: getattr(hf, field) for flag, field in SHAPE_FLAGS.items()}
     architecture = {
         f.name: getattr(hf, f.name)
         for f in dataclasses.fields(hf)
@@ -91,7 +89,7 @@ def take_architecture(args: Any, given: set[str], hf_dir: Path) -> None:
     }
     if hf.rope_scaling is not None:  # JSON in the run's config.json
         architecture["rope_scaling"] = dataclasses.asdict(hf.rope_scaling)
-    args.architecture = architecture
+    return dataclasses.replace(flags, **shape, architecture=architecture)
 
 
 def check_tokenizer(hf_dir: Path, data_dir: Path, *, flag: str = "--init-from") -> None:

@@ -7,7 +7,6 @@ The steps themselves are the library's (``rudax.sharding.make_train_steps`` with
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -21,12 +20,13 @@ import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
+from examples.lm.config import TrainConfig
 from examples.lm.spec import ModelSpec
 
 # ------------------------------------------------------------------------------- model
 
 
-def model_spec(args: argparse.Namespace, vocab_size: int | None = None) -> ModelSpec:
+def model_spec(flags: TrainConfig, vocab_size: int | None = None) -> ModelSpec:
     """The ``ModelSpec`` of the flags; ``vocab_size`` (the tokenizer's) overrides the flag's.
 
     The architecture is ``LlamaConfig.tiny``'s at the flags' sizes (a Mixtral with
@@ -37,37 +37,39 @@ def model_spec(args: argparse.Namespace, vocab_size: int | None = None) -> Model
     """
     # A run started from a Hugging Face directory records the fields the flags do not cover
     # (grouped-query heads, an untied head, RoPE, biases, positions): its config.json's.
-    architecture = dict(getattr(args, "architecture", None) or {})
+    architecture = dict(flags.architecture or {})
     if architecture.get("rope_scaling") is not None:
         architecture["rope_scaling"] = rl.Llama3RopeScaling(**architecture["rope_scaling"])
-    if args.moe:
+    if flags.moe:
         architecture.update(
             model_type="mixtral",
-            num_local_experts=args.num_experts,
-            num_experts_per_tok=args.top_k,
-            router_aux_loss_coef=args.moe_aux_weight,
+            num_local_experts=flags.num_experts,
+            num_experts_per_tok=flags.top_k,
+            router_aux_loss_coef=flags.moe_aux_weight,
             output_router_logits=True,  # the balancing loss is part of the training loss
         )
-    architecture.setdefault("max_position_embeddings", args.seq_len)
-    if architecture.get("head_dim") is None and args.d_model % args.n_heads:
+    architecture.setdefault("max_position_embeddings", flags.seq_len)
+    if architecture.get("head_dim") is None and flags.d_model % flags.n_heads:
         # named by the flags, not by LlamaConfig's fields (whose head_dim has no flag)
-        raise ValueError(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
+        raise ValueError(
+            f"--d-model {flags.d_model} must be a multiple of --n-heads {flags.n_heads}"
+        )
     config = rm.LlamaConfig.tiny(
-        args.vocab_size if vocab_size is None else vocab_size,
-        hidden_size=args.d_model,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        intermediate_size=args.mlp_hidden,
-        param_dtype=jnp.dtype(args.param_dtype),
+        flags.vocab_size if vocab_size is None else vocab_size,
+        hidden_size=flags.d_model,
+        num_hidden_layers=flags.n_layers,
+        num_attention_heads=flags.n_heads,
+        intermediate_size=flags.mlp_hidden,
+        param_dtype=jnp.dtype(flags.param_dtype),
         **architecture,
     )
     return ModelSpec(
         config,
-        seq_len=args.seq_len,
-        dtype=jnp.dtype(args.compute_dtype),
-        remat=getattr(args, "remat", "none"),
-        scan_layers=getattr(args, "scan_layers", False),
-        embedding_backward="sorted" if getattr(args, "deterministic", False) else "scatter",
+        seq_len=flags.seq_len,
+        dtype=jnp.dtype(flags.compute_dtype),
+        remat=flags.remat,
+        scan_layers=flags.scan_layers,
+        embedding_backward="sorted" if flags.deterministic else "scatter",
     )
 
 
@@ -85,10 +87,10 @@ def _labels(params: Any, label: Callable[[str, Any], Any]) -> Any:
     )
 
 
-def make_schedule(args: argparse.Namespace, peak: float) -> optax.Schedule:
+def make_schedule(flags: TrainConfig, peak: float) -> optax.Schedule:
     """Linear warmup to ``peak`` over ``--warmup`` updates, cosine to ``peak * --min-lr-ratio``."""
     return ro.warmup_cosine_decay_schedule(
-        0.0, peak, args.warmup, args.steps, end_value=peak * args.min_lr_ratio
+        0.0, peak, flags.warmup, flags.steps, end_value=peak * flags.min_lr_ratio
     )
 
 
@@ -144,9 +146,7 @@ def _matrix_rank(path: str, leaf: Any) -> int:
     return jnp.ndim(leaf) - path.startswith("['model']['layers']['")
 
 
-def make_optimizer(
-    args: argparse.Namespace, mesh: Mesh | None = None
-) -> optax.GradientTransformation:
+def make_optimizer(flags: TrainConfig, mesh: Mesh | None = None) -> optax.GradientTransformation:
     """The update rule of ``--optimizer``, with clipping and fp32 masters of the bf16 storage.
 
     Decoupled weight decay (``--weight-decay``) shrinks only what :func:`decay_mask` selects,
@@ -164,14 +164,14 @@ def make_optimizer(
     * ``fused_adamw``: ``rudax.optim.fused_adamw(mask=decay_mask)``, clipping and masters
       built in.
     """
-    lr = make_schedule(args, args.lr)
-    adam = dict(b1=args.beta1, b2=args.beta2, eps=args.eps)
-    if args.optimizer == "fused_adamw":
+    lr = make_schedule(flags, flags.lr)
+    adam = dict(b1=flags.beta1, b2=flags.beta2, eps=flags.eps)
+    if flags.optimizer == "fused_adamw":
         return ro.fused_adamw(
-            lr, weight_decay=args.weight_decay, max_grad_norm=args.clip, mask=decay_mask, **adam
+            lr, weight_decay=flags.weight_decay, max_grad_norm=flags.clip, mask=decay_mask, **adam
         )
-    if args.optimizer == "adamw":
-        inner = ro.adamw(lr, weight_decay=args.weight_decay, mask=decay_mask, **adam)
+    if flags.optimizer == "adamw":
+        inner = ro.adamw(lr, weight_decay=flags.weight_decay, mask=decay_mask, **adam)
     else:
         # the token table and the head's (tied or not), and a router, go to AdamW. By path
         # prefix: FSDP lists a sharded layer's variables as ['variables'][i], without their
@@ -188,16 +188,16 @@ def make_optimizer(
         sharded = mesh is not None and "fsdp" in mesh.axis_names
         muon = functools.partial(rs.fsdp_muon, mesh=mesh, axis_name="fsdp") if sharded else ro.muon
         inner = muon(
-            make_schedule(args, args.muon_lr),
-            weight_decay=args.weight_decay,
+            make_schedule(flags, flags.muon_lr),
+            weight_decay=flags.weight_decay,
             muon_mask=matrices,
             adamw_learning_rate=lr,
-            adamw_b1=args.beta1,
-            adamw_b2=args.beta2,
-            adamw_eps=args.eps,
-            adamw_weight_decay=args.weight_decay,
+            adamw_b1=flags.beta1,
+            adamw_b2=flags.beta2,
+            adamw_eps=flags.eps,
+            adamw_weight_decay=flags.weight_decay,
             mask=decay_mask,
             # scanned layers are stored stacked: each [L, in, out] kernel is L matrices
-            stacked=getattr(args, "scan_layers", False),
+            stacked=flags.scan_layers,
         )
-    return ro.fp32_master(optax.chain(ro.clip_by_global_norm(args.clip), inner))
+    return ro.fp32_master(optax.chain(ro.clip_by_global_norm(flags.clip), inner))

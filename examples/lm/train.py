@@ -33,6 +33,7 @@ fused AdamW), ``rudax.sharding`` (FSDP over a mesh inside ``jax.shard_map``) and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -92,67 +93,67 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = cfg.build_parser()
     rr.add_distributed_flags(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    flags = cfg.TrainConfig.from_flags(parser.parse_args(argv))
     return rr.run_program(
-        parser, lambda: train(args, cfg.given_flags(parser, argv)), usage_error=UsageError
+        parser, lambda: train(flags, cfg.given_flags(parser, argv)), usage_error=UsageError
     )
 
 
-def train(args: Any, given: set[str]) -> dict[str, Any]:
+def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring."""
     # --------------------------------------------------------------------------- processes
     # First, before anything starts a JAX backend (reading checkpoints does).
     try:
-        multi = rr.initialize_from_flags(args)
+        multi = rr.initialize_from_flags(flags)
     except ValueError as e:
         raise UsageError(str(e)) from e
 
     # --------------------------------------------------------------------------- config
-    cfg.check_session(args)
-    if multi and not (args.run_dir or args.name):
+    cfg.check_session(flags)
+    if multi and not (flags.run_dir or flags.name):
         # the default name is the time, which each process reads for itself
         raise UsageError("several processes write one run: give it a --name or --run-dir")
-    run_dir = _run_dir(args)
-    _check_run_dir(args, run_dir)  # now, not after the data is prepared
-    if args.resume:
-        _take_run_flags(args, given, run_dir)
+    run_dir = _run_dir(flags)
+    _check_run_dir(flags, run_dir)  # now, not after the data is prepared
+    if flags.resume:
+        flags = _run_flags(flags, given, run_dir)  # the run's flags, this session's on top
     elif (run_dir / "checkpoints").exists():
         raise UsageError(
             f"{run_dir} already holds a run: continue it with --resume, or pick "
             "another --name/--run-dir"
         )
     # An HF directory decides the model's shape: before the flags are checked and recorded.
-    hf_dir = Path(args.init_from) if args.init_from else None
+    hf_dir = Path(flags.init_from) if flags.init_from else None
     if hf_dir is not None and hf_init.is_hf_dir(hf_dir):
-        hf_init.take_architecture(args, given, hf_dir)
+        flags = hf_init.take_architecture(flags, given, hf_dir)
     else:
         hf_dir = None
-    cfg.check(args)
-    if args.deterministic:
+    cfg.check(flags)
+    if flags.deterministic:
         _deterministic_xla()
-    if args.tensorboard:
+    if flags.tensorboard:
         _check_tensorboard()  # now, not when the first metrics row is written
-    run_config = cfg.run_config(args)
-    stop = args.stop_at or args.steps
-    if args.resume:
+    run_config = cfg.run_config(flags)
+    stop = flags.stop_at or flags.steps
+    if flags.resume:
         saved = _committed_steps(run_dir / "checkpoints", "--resume")
-        if args.resume_step is not None and args.resume_step not in saved:
+        if flags.resume_step is not None and flags.resume_step not in saved:
             raise UsageError(
-                f"--resume-step {args.resume_step}: no checkpoint {args.resume_step} in "
+                f"--resume-step {flags.resume_step}: no checkpoint {flags.resume_step} in "
                 f"{run_dir / 'checkpoints'}; saved: {saved}"
             )
-        start = saved[-1] if args.resume_step is None else args.resume_step
+        start = saved[-1] if flags.resume_step is None else flags.resume_step
         if start >= stop:
             raise UsageError(
                 f"--resume: the run is at update {start} already; nothing to do up to update {stop}"
             )
-    init_from = _checkpoint_root(args.init_from) if args.init_from and not hf_dir else None
+    init_from = _checkpoint_root(flags.init_from) if flags.init_from and not hf_dir else None
     try:
-        model_spec(args)  # a shape error now, not after the corpus is prepared
+        model_spec(flags)  # a shape error now, not after the corpus is prepared
     except (TypeError, ValueError) as e:
         raise UsageError(f"model: {e}") from e
 
-    if multi and not args.mesh:
+    if multi and not flags.mesh:
         raise UsageError(
             "several processes train one model over a mesh of all their devices: give --mesh "
             "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
@@ -163,36 +164,36 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     # --------------------------------------------------------------------------- mesh
     # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
     rr.retain_freed_memory()
-    mesh = _mesh(args.mesh)
+    mesh = _mesh(flags.mesh)
     # Process 0 writes the run's files, logs and prints; every process reads its own rows of
     # each batch (rows [p * b, (p + 1) * b) of the global batch, b = batch_size / processes).
     primary, process, processes = jax.process_index() == 0, jax.process_index(), jax.process_count()
     say = print if primary else lambda *a, **k: None
 
     # --------------------------------------------------------------------------- data
-    data_dir = Path(args.data_dir or _default_data_dir(args.data))
+    data_dir = Path(flags.data_dir or _default_data_dir(flags.data))
     # The trainer has no --force: rebuilding a data folder that other runs read is
     # examples.lm.prepare's job, named here with the flags that do it.
     rebuild = shlex.join(
         ["python", "-m", "examples.lm.prepare"]
-        + (["--data", args.data] if args.data else [])
-        + ["--out", str(data_dir), "--vocab-size", str(args.vocab_size), "--force"]
+        + (["--data", flags.data] if flags.data else [])
+        + ["--out", str(data_dir), "--vocab-size", str(flags.vocab_size), "--force"]
     )
     try:
         if multi:  # one process prepares, the others then find the preparation complete
             if primary:
-                prepare(args.data, data_dir, vocab_size=args.vocab_size)
+                prepare(flags.data, data_dir, vocab_size=flags.vocab_size)
             multihost_utils.sync_global_devices("examples.lm.train: data prepared")
-        prepare(args.data, data_dir, vocab_size=args.vocab_size, verbose=primary)
+        prepare(flags.data, data_dir, vocab_size=flags.vocab_size, verbose=primary)
         vocab_size = read_prepared(data_dir)["vocab_size"]
         # Batch i is a pure function of (seed, i): resuming at update s needs nothing but s.
         # Each shard's checksum and largest id are checked here, once, not per batch.
         loader = lambda split: open_split(
-            data_dir, split, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+            data_dir, split, seq_len=flags.seq_len, batch_size=flags.batch_size, seed=flags.seed
         )
         train_data = loader("train")
         val_batches = loader("val").eval_batches(
-            args.eval_batches, shard=process, num_shards=processes
+            flags.eval_batches, shard=process, num_shards=processes
         )
         if hf_dir is not None:
             hf_init.check_tokenizer(hf_dir, data_dir)
@@ -206,16 +207,16 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         raise UsageError(f"data: {e}; prepare it again with: {rebuild}") from e
     except (CorpusError, ValueError) as e:
         raise UsageError(f"data: {e}") from e
-    put = lambda b: b if mesh is None else rs.put_batch(b, mesh, args.batch_size)
+    put = lambda b: b if mesh is None else rs.put_batch(b, mesh, flags.batch_size)
     # the train state where the steps keep it: fresh zeros and restored arrays alike
     place = lambda tree: tree if mesh is None else rs.place(tree, mesh)
 
     # --------------------------------------------------------------------------- model
-    spec = model_spec(args, vocab_size)  # the tokenizer's vocabulary
+    spec = model_spec(flags, vocab_size)  # the tokenizer's vocabulary
     config = spec.config
     fsdp = mesh is not None and "fsdp" in mesh.axis_names
     if hf_dir is None:
-        model = spec.create(args.seed)
+        model = spec.create(flags.seed)
     else:
         # Over an fsdp mesh each process reads only its devices' shards of the checkpoint.
         model = hf_init.load_model(hf_dir, spec, mesh=mesh if fsdp else None)
@@ -233,29 +234,29 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         params = _init_from(init_from, params)
 
     # --------------------------------------------------------------------------- optimizer
-    tx = make_optimizer(args, mesh)
-    lr_at = jax.jit(make_schedule(args, args.lr))  # the lr of update s is lr_at(s - 1)
+    tx = make_optimizer(flags, mesh)
+    lr_at = jax.jit(make_schedule(flags, flags.lr))  # the lr of update s is lr_at(s - 1)
     opt_state = place(jax.jit(tx.init)(params))
     acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32))
 
     # --------------------------------------------------------------------------- step
     # --profile times each step repeatedly on the same inputs, which donation would delete.
     loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
-    steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not args.profile)
+    steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not flags.profile)
     microbatch = lambda s, a: put(
-        train_data.batch((s - 1) * args.grad_accum + a, shard=process, num_shards=processes)
+        train_data.batch((s - 1) * flags.grad_accum + a, shard=process, num_shards=processes)
     )
-    if args.profile:
+    if flags.profile:
         table = profile(
             steps,
             (params, rngs, rest),
             opt_state,
             acc,
-            [microbatch(1, a) for a in range(args.grad_accum)],
+            [microbatch(1, a) for a in range(flags.grad_accum)],
             flops_per_token=rm.flops_per_token(config, spec.seq_len),
-            trace_dir=args.trace,
+            trace_dir=flags.trace,
         )
-        say(table + (f"\ntrace written to {args.trace}" if args.trace else ""))
+        say(table + (f"\ntrace written to {flags.trace}" if flags.trace else ""))
         return {"profile": table}
 
     def evaluate() -> float:
@@ -268,7 +269,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     # --------------------------------------------------------------------------- checkpoint
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+        (run_dir / "config.json").write_text(json.dumps(flags.as_dict(), indent=1) + "\n")
     # No RNG key to keep: the model has no dropout and batch i is drawn from (seed, i), so
     # the update count is the whole data position; the schedule's is in the optimizer state.
     record = lambda step, tokens: rc.TrainingRecord.capture(
@@ -279,29 +280,29 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
         config=run_config,
     )
     step, tokens = 0, 0
-    if args.resume:
-        restored = _resume(run_dir, record(0, 0), args.resume_step, keep=args.keep, say=say)
+    if flags.resume:
+        restored = _resume(run_dir, record(0, 0), flags.resume_step, keep=flags.keep, say=say)
         params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
         step, tokens = restored.state["step"], restored.state["tokens"]
-        say(f"resumed {run_dir} at update {step} of {args.steps}")
-    checkpointer = _writer(run_dir / "checkpoints", keep=args.keep)
-    skips = guard.SkipWatch(args.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
+        say(f"resumed {run_dir} at update {step} of {flags.steps}")
+    checkpointer = _writer(run_dir / "checkpoints", keep=flags.keep)
+    skips = guard.SkipWatch(flags.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
 
     # --------------------------------------------------------------------------- loop
-    events = run_dir / "tensorboard" if args.tensorboard and primary else None
+    events = run_dir / "tensorboard" if flags.tensorboard and primary else None
     log = rr.MetricsLog(
         run_dir / "metrics.jsonl",
-        resume_step=step if args.resume else None,
+        resume_step=step if flags.resume else None,
         tensorboard=events,
         writer=primary,  # the run's one log, by process 0
     )
-    tokens_per_update = args.batch_size * args.seq_len * args.grad_accum
-    where = f" over mesh {cfg.mesh_text(args.mesh)}" if mesh is not None else ""
+    tokens_per_update = flags.batch_size * flags.seq_len * flags.grad_accum
+    where = f" over mesh {cfg.mesh_text(flags.mesh)}" if mesh is not None else ""
     if processes > 1:
         where += f" of {processes} processes"
     say(
         f"training a {n_params:,}-parameter {config.model_type} model{where} on {data_dir}, "
-        f"updates {step + 1} to {stop} of {args.steps}, {tokens_per_update:,} tokens each"
+        f"updates {step + 1} to {stop} of {flags.steps}, {tokens_per_update:,} tokens each"
     )
     if step == 0:
         log.write(kind="eval", step=0, val_loss=evaluate())
@@ -316,7 +317,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             while step < stop:
                 step += 1
                 window = []
-                for a in range(args.grad_accum):
+                for a in range(flags.grad_accum):
                     acc, rngs, m = steps.micro(params, rngs, acc, rest, microbatch(step, a))
                     window.append(m)
                 params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
@@ -347,7 +348,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                     loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
                 )
                 bar.update(1)
-                if step % args.log_every == 0 or step == stop:
+                if step % flags.log_every == 0 or step == stop:
                     row = dict(
                         kind="train",
                         step=step,
@@ -363,7 +364,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                         row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
                     log.write(**row)
                 paused = False
-                if step % args.eval_every == 0 or step == args.steps:
+                if step % flags.eval_every == 0 or step == flags.steps:
                     last["val_loss"] = evaluate()
                     log.write(kind="eval", step=step, val_loss=last["val_loss"])
                     note(
@@ -372,7 +373,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
                     )
                     paused = True
                 halt = interrupt.stop_after(step)  # every update, on every process
-                if step % args.checkpoint_every == 0 or step == stop or halt:
+                if step % flags.checkpoint_every == 0 or step == stop or halt:
                     # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
                     rr.check_finite(params, step=step, latest=checkpointer.latest_step)
                     checkpointer.save(step, record(step, tokens))
@@ -389,7 +390,7 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
             checkpointer.close()
 
     # --------------------------------------------------------------------------- report
-    if step == args.steps:
+    if step == flags.steps:
         log.write(
             kind="end",
             step=step,
@@ -402,14 +403,14 @@ def train(args: Any, given: set[str]) -> dict[str, Any]:
     plot = run_dir / "loss.png"
     title = (
         f"{run_dir.name}: {config.num_hidden_layers}x{config.hidden_size} "
-        f"{config.model_type}, {args.optimizer}"
+        f"{config.model_type}, {flags.optimizer}"
     )
     if primary:
         rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
-    if step < args.steps:
+    if step < flags.steps:
         why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
         say(
-            f"stopped at update {step} of {args.steps} ({why}); continue with: "
+            f"stopped at update {step} of {flags.steps} ({why}); continue with: "
             f"python -m examples.lm.train --resume --run-dir {run_dir}"
         )
     say(
@@ -452,27 +453,27 @@ def _check_tensorboard() -> None:
         ) from e
 
 
-def _run_dir(args: Any) -> Path:
-    if args.run_dir:
-        return Path(args.run_dir)
-    return Path(args.runs_dir) / (args.name or time.strftime("%Y%m%d-%H%M%S"))
+def _run_dir(flags: cfg.TrainConfig) -> Path:
+    if flags.run_dir:
+        return Path(flags.run_dir)
+    return Path(flags.runs_dir) / (flags.name or time.strftime("%Y%m%d-%H%M%S"))
 
 
-def _check_run_dir(args: Any, run_dir: Path) -> None:
+def _check_run_dir(flags: cfg.TrainConfig, run_dir: Path) -> None:
     """UsageError if the run directory, or a folder it would be made in, is a file."""
     for path in (run_dir, *run_dir.parents):
         if path.is_dir():
             return
         if path.exists():
-            flag = "--run-dir" if args.run_dir else ("--name" if path == run_dir else "--runs-dir")
-            given = {"--run-dir": args.run_dir, "--name": args.name, "--runs-dir": args.runs_dir}
+            flag = "--run-dir" if flags.run_dir else ("--name" if path == run_dir else "--runs-dir")
+            given = {"--run-dir": flags.run_dir, "--name": flags.name, "--runs-dir": flags.runs_dir}
             raise UsageError(
                 f"{flag} {given[flag]}: {path} is a file, not a directory; give another "
                 f"{flag} or move the file"
             )
 
 
-def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
+def _run_flags(flags: cfg.TrainConfig, given: set[str], run_dir: Path) -> cfg.TrainConfig:
     """--resume: the run flags come from the run; any given again must agree."""
     try:
         saved = json.loads((run_dir / "config.json").read_text())
@@ -485,14 +486,13 @@ def _take_run_flags(args: Any, given: set[str], run_dir: Path) -> None:
             "new run, or resume it with the rudax version that wrote it"
         )
     conflicts = [
-        f"--{key.replace('_', '-')} {getattr(args, key)!r} (the run has {saved[key]!r})"
+        f"--{key.replace('_', '-')} {getattr(flags, key)!r} (the run has {saved[key]!r})"
         for key in cfg.RUN_KEYS
-        if key in given and getattr(args, key) != saved[key]
+        if key in given and getattr(flags, key) != saved[key]
     ]
     if conflicts:
         raise UsageError("--resume: flags differ from the run's: " + "; ".join(conflicts))
-    for key in cfg.RUN_KEYS:
-        setattr(args, key, saved[key])
+    return dataclasses.replace(flags, **{key: saved[key] for key in cfg.RUN_KEYS})
 
 
 def _deterministic_xla() -> None:

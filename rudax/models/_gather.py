@@ -107,7 +107,7 @@ def gather_adapters_into(model: LlamaForCausalLM, sharded: LlamaForCausalLM) -> 
             continue
         layer: Any = model
         for key in path:
-            layer = layer[key] if isinstance(key, int) else getattr(layer, key)
+            layer = layer[key] if isinstance(key, int) else getattr(layer, str(key))
         flat = dict(nnx.to_flat_state(nnx.state(layer, rl.LoRAParam)))
         for var_path, var in zip(node.paths, node.variables, strict=True):
             if var_path in flat:  # else a base weight: never trained
