@@ -4,9 +4,11 @@ Every layer casts explicitly (it runs under strict dtype promotion), takes a com
 (None: the input's dtype) apart from its parameters' ``param_dtype``, and uses rudax.kernels'
 fused ops for its memory-bound parts (norms, SwiGLU). ``to_dtype`` converts a model's
 parameter storage while keeping tied variables tied and frozen ones frozen. ``apply_lora``
-puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back, and
-``save_adapter`` / ``load_adapter`` read and write peft's adapter files. ``NF4Linear`` is a
-frozen base stored in 4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
+puts LoRA on any Linear layers chosen by name, ``merge_lora`` folds it back,
+``save_adapter`` / ``load_adapter`` read and write peft's adapter files, and
+``adapters_disabled`` computes a model with its adapters off (post-training's reference
+policy, without a second copy of the weights). ``NF4Linear`` is a frozen base stored in
+4-bit NormalFloat (``Quantized`` variables), QLoRA's base, which
 ``apply_lora(..., quantize_base="nf4")`` builds while it adapts. ``remat`` checkpoints a
 block's activations under a named policy (``REMAT_POLICIES``), ``scan_layers`` runs a stack
 of identical layers as one ``lax.scan`` (``stack_layers`` / ``unstack_layers`` store them
@@ -18,6 +20,7 @@ rudax.kernels' ``flash_attention``: grouped-query heads, packed rows, windows an
 
 # Public names, re-exported one per line (``from rudax.layers._x import a as a``), sorted as
 # isort sorts them, and listed again in __all__.
+from rudax.layers._adapters_off import adapters_disabled as adapters_disabled
 from rudax.layers._apply_lora import ModuleNames as ModuleNames
 from rudax.layers._apply_lora import apply_lora as apply_lora
 from rudax.layers._apply_lora import lora_state as lora_state
@@ -74,6 +77,7 @@ __all__ = [
     "Quantized",
     "RMSNorm",
     "TiedProjection",
+    "adapters_disabled",
     "apply_lora",
     "apply_rope",
     "is_stacked",

@@ -71,6 +71,14 @@ class LoRALinear(nnx.Module):
         grads = nnx.grad(loss_fn)(model)       # wrt=nnx.Param by default: no base gradients
         opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
+    ``adapter_enabled`` (True when built) switches the adapter: with it False the layer is
+    its base alone, ``y = c(base(x))``, as peft's ``disable_adapter()`` makes it. Nothing of
+    the adapter is computed then (the output is the base's bit for bit, A and B get an exact
+    zero gradient, dropout draws no key). It is a plain Python attribute, so it is part of the
+    module's ``nnx.GraphDef``: static under ``nnx.jit`` (each setting compiles its own
+    program), and two graph definitions split from one model, one with it off, merge with
+    the same state. ``rudax.layers.adapters_disabled`` switches every adapter of a model.
+
     Args:
       base: the ``rudax.layers.Linear`` or ``flax.nnx.Linear`` to adapt (both store the kernel
         ``[in, out]``), modified in place as above, or a ``rudax.layers.NF4Linear``, not
@@ -149,11 +157,19 @@ class LoRALinear(nnx.Module):
         self.lora_b = LoRAParam(jnp.zeros((rank, base.out_features), param_dtype))
         freeze(base)  # an NF4Linear has no nnx.Param: nothing to re-tag
         self.base = base
+        # Static (part of the graphdef), not a Variable: the call branches on it in Python, so
+        # a disabled adapter is absent from the traced program rather than multiplied by 0.
+        self.adapter_enabled = True
 
     def __call__(self, x: ArrayLike, *, deterministic: bool | None = None) -> jax.Array:
         x = jnp.asarray(x)
         check_features("LoRALinear", x, self.in_features)
         dtype = x.dtype if self.dtype is None else self.dtype
+        if not self.adapter_enabled:
+            # peft's disable_adapter: the base alone. Dropout is skipped too, so its RNG count
+            # does not advance: a reference pass leaves the policy pass's masks as they are
+            # without it, and the base's output is not changed by a single bit.
+            return self.base(x).astype(dtype)
         h = self.dropout(x, deterministic=deterministic).astype(dtype)
         # Scaling the rank-sized intermediate costs rank, not out, multiplies per row.
         low_rank = rows_matmul(h, self.lora_a[...].astype(dtype)) * self.scale

@@ -12,7 +12,8 @@ each process reading only its shards; ``SafetensorsFile`` / ``save_safetensors``
 KV cache (``num_samples`` continuations of a prompt sharing its keys and values; with
 ``return_logprobs``, a ``Generation`` with each token's log-probability),
 ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for token-weighted
-accumulation), ``shard`` is a model's FSDP form, ``flops_per_token`` its
+accumulation), ``causal_lm_token_logprobs`` each label's log-probability (post-training's,
+at the sampling temperature), ``shard`` is a model's FSDP form, ``flops_per_token`` its
 training FLOPs (for MFU), ``ChatTemplate`` renders a tokenizer's own chat template, and
 ``pack_shared_prefix`` lays out a prompt and its completions so the prompt is computed once.
 """
@@ -34,6 +35,7 @@ from rudax.models._hf_save import save_pretrained as save_pretrained
 from rudax.models._kv_cache import KVCache as KVCache
 from rudax.models._llama import LlamaForCausalLM as LlamaForCausalLM
 from rudax.models._llama_config import LlamaConfig as LlamaConfig
+from rudax.models._logprobs import causal_lm_token_logprobs as causal_lm_token_logprobs
 from rudax.models._loss import IGNORE_INDEX as IGNORE_INDEX
 from rudax.models._loss import causal_lm_loss_sum as causal_lm_loss_sum
 from rudax.models._safetensors import SafetensorsFile as SafetensorsFile
@@ -53,6 +55,7 @@ __all__ = [
     "SafetensorsFile",
     "SharedPrefixBatch",
     "causal_lm_loss_sum",
+    "causal_lm_token_logprobs",
     "checkpoint_digest",
     "flops_per_token",
     "from_pretrained",

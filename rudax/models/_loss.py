@@ -79,23 +79,7 @@ def causal_lm_loss_sum(
       >>> int(metrics["tokens"]), loss.dtype
       (2, dtype('float32'))
     """
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"model must be a rudax.models.LlamaForCausalLM, got {type(model)}")
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    arrays = _check_batch(batch)
-    tokens, labels = arrays["tokens"], arrays["labels"]
-    h, _, aux = model.hidden_states(
-        tokens,
-        segment_ids=arrays.get("segment_ids"),
-        branch_ids=arrays.get("branch_ids"),
-        positions=arrays.get("positions"),
-    )
-    head: Any = model.lm_head
-    if isinstance(head, rs.ShardedModule):
-        # the fused loss needs the head's table itself: a sharded head gathers it, as its
-        # call would
-        head = head.gathered()
+    h, head, labels, aux = head_inputs(model, batch, chunk)
     n, d = labels.size, h.shape[-1]
     ce_sum, count = rk.linear_cross_entropy(
         h.reshape(n, d),
@@ -113,6 +97,34 @@ def causal_lm_loss_sum(
         total = ce_sum + config.router_aux_loss_coef * aux * count.astype(jnp.float32)
         return total, metrics
     return ce_sum, metrics
+
+
+def head_inputs(model: Any, batch: Any, chunk: Any) -> tuple[jax.Array, Any, jax.Array, jax.Array]:
+    """What a chunked op over the head needs: ``(h, head, labels, aux)`` of a checked call.
+
+    ``model``, ``batch`` and ``chunk`` are checked first (a TypeError or ValueError naming
+    them), then the model runs up to its final norm: ``h`` ``[B, T, d]``, the head (a
+    ``TiedProjection``; a sharded head gathered, as its own call would gather it), the
+    labels ``[B, T]`` and a Mixtral's load-balancing loss (0 for a dense model). Shared by
+    ``causal_lm_loss_sum`` and ``causal_lm_token_logprobs``.
+    """
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"model must be a rudax.models.LlamaForCausalLM, got {type(model)}")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    arrays = _check_batch(batch)
+    h, _, aux = model.hidden_states(
+        arrays["tokens"],
+        segment_ids=arrays.get("segment_ids"),
+        branch_ids=arrays.get("branch_ids"),
+        positions=arrays.get("positions"),
+    )
+    head: Any = model.lm_head
+    if isinstance(head, rs.ShardedModule):
+        # the fused ops need the head's table itself: a sharded head gathers it, as its
+        # call would
+        head = head.gathered()
+    return h, head, arrays["labels"], aux
 
 
 def _check_batch(batch: Any) -> dict[str, jax.Array]:

@@ -56,6 +56,9 @@ class ShardedModule(nnx.Module):
       deterministic: the layer's dropout mode, kept as this module's own attribute so that
         ``model.eval()`` and ``model.train()`` (nnx's ``set_attributes``, which visit every
         module that has it) reach the layer rebuilt at each call; None if it has none.
+      adapter_enabled: the layer's LoRA switch (``rudax.layers.LoRALinear``'s), kept here
+        for the same reason: ``rudax.layers.adapters_disabled`` reaches a sharded model's
+        adapters through it; None if the layer has no adapter.
 
     Returns:
       A module; ``module(*args, **kwargs)`` returns what the layer returns.
@@ -71,6 +74,7 @@ class ShardedModule(nnx.Module):
         rng_variables: list[nnx.Variable] | None = None,
         axis_name: Any = None,
         deterministic: bool | None = None,
+        adapter_enabled: bool | None = None,
     ):
         self.graphdef = graphdef
         self.paths = paths
@@ -80,6 +84,7 @@ class ShardedModule(nnx.Module):
         self.rng_variables = nnx.List(rng_variables or [])
         self.axis_name = axis_name
         self.deterministic = deterministic
+        self.adapter_enabled = adapter_enabled
 
     def gathered(self) -> nnx.Module:
         """The original layer with its logical parameter values (inside ``shard_map``)."""
@@ -97,6 +102,8 @@ class ShardedModule(nnx.Module):
         layer = nnx.merge(self.graphdef, nnx.from_flat_state(flat))
         if self.deterministic is not None:
             layer.set_attributes(deterministic=self.deterministic, raise_if_not_found=False)
+        if self.adapter_enabled is not None:
+            layer.set_attributes(adapter_enabled=self.adapter_enabled, raise_if_not_found=False)
         return layer
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -217,6 +224,12 @@ class ShardingContext:
             if isinstance(m, nnx.Module)
             and isinstance(mode := getattr(m, "deterministic", None), bool)
         }
+        switches = {
+            enabled
+            for _, m in nnx.iter_graph(layer)
+            if isinstance(m, nnx.Module)
+            and isinstance(enabled := getattr(m, "adapter_enabled", None), bool)
+        }
         graphdef, state = nnx.split(layer)
         paths, variables, rng_paths = [], [], []
         rng_variables: list[nnx.Variable] = []
@@ -243,6 +256,7 @@ class ShardingContext:
             rng_variables=rng_variables,
             axis_name=self.axis_name,
             deterministic=modes.pop() if len(modes) == 1 else None,
+            adapter_enabled=switches.pop() if len(switches) == 1 else None,
         )
 
     def _typed(
