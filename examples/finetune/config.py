@@ -26,8 +26,6 @@ import jax.numpy as jnp
 import rudax.layers as rl
 import rudax.models as rm
 import rudax.run as rr
-from examples.finetune import mesh as mesh_
-from examples.finetune.cli import HelpFormatter
 
 DEFAULT_BASE, DEFAULT_BASE_RUN = Path("hf/base"), Path("runs/base")
 DEFAULT_DATA = Path("data/instructions")
@@ -65,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         # one line above an error, not every flag: --help lists them
         usage="%(prog)s [flags]  (--help lists them)",
         description="QLoRA / LoRA fine-tuning of a Hugging Face Llama directory on JSONL.",
-        formatter_class=HelpFormatter,
+        formatter_class=rr.HelpFormatter,
         allow_abbrev=False,
     )
     run = p.add_argument_group("run (session flags)")
@@ -143,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dropout", type=float, default=0.05, help="dropout on adapter inputs")
     model.add_argument(
         "--mesh",
-        type=mesh_.parse_mesh,
+        type=rr.mesh_flag,
         help="spread each step over devices, e.g. data=2,fsdp=4: rows split over both, the "
         "base, adapters and moments stored 1/fsdp per device (examples/finetune/mesh.py); "
         "the product is the device count of the run (all its processes)",

@@ -17,25 +17,15 @@ is the one-device update of the same global batch, up to the order of the float 
 Dropout masks are drawn per device (the adapters' RNG key folded with the device's place in
 the mesh): with ``--dropout 0`` a run over a mesh trains the one-device run's losses
 (``tests/finetune/test_mesh.py``). The adapters come back whole for the adapter file through
-``rudax.models.gather_adapters``. What is left here: the flag's type and sharding the model.
+``rudax.models.gather_adapters``. What is left here: sharding the model as the step holds it.
 """
 
 from __future__ import annotations
-
-import argparse
 
 from jax.sharding import Mesh
 
 import rudax.models as rm
 import rudax.sharding as rs
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``--mesh``'s type: ``rudax.sharding.parse_mesh``, its error argparse's."""
-    try:
-        return rs.parse_mesh(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def shard(model: rm.LlamaForCausalLM, mesh: Mesh) -> rm.LlamaForCausalLM:

@@ -81,7 +81,6 @@ import rudax.sharding as rs
 from examples.finetune import base as base_
 from examples.finetune import instructions
 from examples.finetune import mesh as mesh_
-from examples.finetune.cli import UsageError, given_flags
 from examples.finetune.config import (
     DEFAULT_BASE,
     DEFAULT_BASE_RUN,
@@ -94,6 +93,7 @@ from examples.finetune.config import (
 )
 from examples.finetune.data import BaseTokenizer, FinetuneData, load_tokenizer
 from examples.finetune.template import DataError
+from rudax.run import UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -106,9 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     config = FinetuneConfig.from_flags(parser.parse_args(argv))
-    return rr.run_program(
-        parser, lambda: finetune(config, given_flags(parser, argv)), usage_error=UsageError
-    )
+    return rr.run_program(parser, lambda: finetune(config, rr.given_flags(parser, argv)))
 
 
 def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str, Any]:

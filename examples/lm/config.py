@@ -18,13 +18,15 @@ import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
 from typing import Any
+
+import rudax.layers as rl
+import rudax.run as rr
+import rudax.sharding as rs
 
 OPTIMIZERS = ("adamw", "muon", "fused_adamw")
 DTYPES = ("bfloat16", "float32")
-# rudax.layers.REMAT_POLICIES, written out: this module is read before JAX is imported.
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims", "offload")
+REMAT_POLICIES = rl.REMAT_POLICIES
 
 # The flags that define a run: stored in its config and checked on --resume.
 RUN_KEYS = (
@@ -157,8 +159,8 @@ class TrainConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-class UsageError(Exception):
-    """A flag value that only the machine or the disk can refute; reported like a bad flag."""
+# A flag value that only the machine or the disk can refute; reported like a bad flag.
+UsageError = rr.UsageError
 
 
 def _number(kind: type, low: float, *, inclusive: bool = True, high: float | None = None):
@@ -195,33 +197,6 @@ non_negative_float = _number(float, 0)
 unit_interval = _number(float, 0, high=1)
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """``--mesh``'s type: ``rudax.sharding.parse_mesh``, its error argparse's."""
-    import rudax.sharding as rs  # here, not above: this module is read before JAX is imported
-
-    try:
-        return rs.parse_mesh(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def mesh_text(mesh: dict[str, int]) -> str:
-    """``{"data": 2, "fsdp": 4}`` -> ``"data=2,fsdp=4"`` (``rudax.sharding.mesh_text``)."""
-    import rudax.sharding as rs
-
-    return rs.mesh_text(mesh)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` where there is a default to show; None/False ones say it in words."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        # `is`, not `in (None, False)`: 0 == False, and a default of 0 is worth showing.
-        if action.default is None or action.default is False or "(default:" in (action.help or ""):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; ``--help`` lists every flag with its default."""
     p = argparse.ArgumentParser(
@@ -234,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Python standard library's sources). Writes checkpoints, metrics.jsonl and loss.png "
             "into the run directory."
         ),
-        formatter_class=_HelpFormatter,
+        formatter_class=rr.HelpFormatter,
         allow_abbrev=False,  # --resume checks which flags were given: no prefixes
     )
     run = p.add_argument_group("run (session flags: may change between sessions of one run)")
@@ -416,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--steps", type=positive_int, default=150, help="optimizer updates")
     batch.add_argument(
         "--mesh",
-        type=parse_mesh,
+        type=rr.mesh_flag,
         help="spread each step over devices, e.g. data=2,fsdp=4 (its size must be the device "
         "count; on CPU that many devices are simulated); default: one device",
     )
@@ -424,16 +399,6 @@ def build_parser() -> argparse.ArgumentParser:
     # What the checkpoints hold: runs of the trainer's earlier GPT (no such key) are refused.
     p.set_defaults(architecture=None, model=MODEL)
     return p
-
-
-def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The ``dest`` of every flag that appears in argv (abbreviations are off)."""
-    given = set()
-    for action in parser._actions:
-        for option in action.option_strings:
-            if any(a == option or a.startswith(option + "=") for a in argv):
-                given.add(action.dest)
-    return given
 
 
 def run_config(args: TrainConfig) -> dict[str, Any]:
@@ -468,7 +433,7 @@ def check(args: TrainConfig) -> None:
     if args.batch_size % devices:
         raise UsageError(
             f"--batch-size must be divisible by the mesh's {devices} devices (each holds an "
-            f"equal slice), got --batch-size {args.batch_size}, --mesh {mesh_text(mesh)}"
+            f"equal slice), got --batch-size {args.batch_size}, --mesh {rs.mesh_text(mesh)}"
         )
     check_seq_len(args)
 

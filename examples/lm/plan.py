@@ -468,7 +468,7 @@ def plan_finetuning(
     projection, the base NF4 under ``qlora``, AdamW (no masters: the adapters are fp32)."""
     if args.mesh:
         raise cfg.UsageError(
-            f"--mesh {cfg.mesh_text(args.mesh)}: examples.finetune runs on one device; plan "
+            f"--mesh {rs.mesh_text(args.mesh)}: examples.finetune runs on one device; plan "
             "one device's share (its --batch-size) and run data-parallel replicas of it"
         )
 
@@ -607,7 +607,7 @@ def trace_mesh(spec: dict[str, int]) -> Mesh:
         devices = jax.devices("cpu")
     if len(devices) < n:
         raise cfg.UsageError(
-            f"--mesh {cfg.mesh_text(spec)}: tracing its step needs {n} CPU devices, this "
+            f"--mesh {rs.mesh_text(spec)}: tracing its step needs {n} CPU devices, this "
             f"process has {len(devices)} (JAX started before the plan could set them)"
         )
     return Mesh(np.array(devices[:n]).reshape(tuple(spec.values())), tuple(spec))

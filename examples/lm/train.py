@@ -94,9 +94,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rr.add_distributed_flags(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     flags = cfg.TrainConfig.from_flags(parser.parse_args(argv))
-    return rr.run_program(
-        parser, lambda: train(flags, cfg.given_flags(parser, argv)), usage_error=UsageError
-    )
+    return rr.run_program(parser, lambda: train(flags, rr.given_flags(parser, argv)))
 
 
 def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
@@ -297,7 +295,7 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         writer=primary,  # the run's one log, by process 0
     )
     tokens_per_update = flags.batch_size * flags.seq_len * flags.grad_accum
-    where = f" over mesh {cfg.mesh_text(flags.mesh)}" if mesh is not None else ""
+    where = f" over mesh {rs.mesh_text(flags.mesh)}" if mesh is not None else ""
     if processes > 1:
         where += f" of {processes} processes"
     say(

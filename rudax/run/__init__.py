@@ -8,9 +8,10 @@ anything: a non-finite loss, or non-finite weights about to be checkpointed (nam
 pytree path). ``retain_freed_memory`` keeps XLA:CPU's per-step scratch memory mapped instead
 of faulting it in again each step (``MALLOC_ENV``: the same for a child process).
 ``run_program`` ends a program's ``main`` the same in every program (exit statuses 2, 1,
-128 + signal). ``Interruptions`` turns Ctrl-C and a preemption's SIGTERM into a request the
-loop answers after its current update: save, then stop as ``--stop-at`` does (agreed by
-every process).
+128 + signal; a ``UsageError`` is a bad flag), ``HelpFormatter`` shows the flags' defaults
+and ``given_flags`` tells the flags typed from defaults (a resumed run keeps its own).
+``Interruptions`` turns Ctrl-C and a preemption's SIGTERM into a request the loop answers
+after its current update: save, then stop as ``--stop-at`` does (agreed by every process).
 
 ``python -m rudax.run.launch --processes N [--cpu-devices K] -- COMMAND`` runs a command as N
 ``jax.distributed`` processes on this machine (``rudax.run.launch.launch`` from Python), their
@@ -21,6 +22,10 @@ imported it would make ``runpy`` warn that the module exists twice.
 
 # Public names, re-exported one per line (``from rudax.run._x import a as a``), sorted as
 # isort sorts them, and listed again in __all__.
+from rudax.run._cli import HelpFormatter as HelpFormatter
+from rudax.run._cli import UsageError as UsageError
+from rudax.run._cli import given_flags as given_flags
+from rudax.run._cli import mesh_flag as mesh_flag
 from rudax.run._distributed import DistributedError as DistributedError
 from rudax.run._distributed import add_distributed_flags as add_distributed_flags
 from rudax.run._distributed import fail_fast as fail_fast
@@ -40,15 +45,19 @@ from rudax.run._program import run_program as run_program
 __all__ = [
     "MALLOC_ENV",
     "DistributedError",
+    "HelpFormatter",
     "Interruptions",
     "MetricsLog",
     "TrainingHalted",
+    "UsageError",
     "add_distributed_flags",
     "check_finite",
     "check_loss",
     "fail_fast",
+    "given_flags",
     "initialize_distributed",
     "initialize_from_flags",
+    "mesh_flag",
     "plot_losses",
     "read_metrics",
     "retain_freed_memory",

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from rudax.run._cli import UsageError
 from rudax.run._distributed import fail_fast
 from rudax.run._halt import TrainingHalted
 
@@ -35,7 +36,7 @@ def run_program(
     parser: argparse.ArgumentParser,
     body: Callable[[], dict[str, Any]],
     *,
-    usage_error: type[Exception],
+    usage_error: type[Exception] = UsageError,
 ) -> dict[str, Any]:
     """Runs ``body()`` and ends as the module docstring says; returns its summary.
 
@@ -43,7 +44,8 @@ def run_program(
       parser: the program's parser, whose ``error`` prints the usage line.
       body: the run; returns a summary dict, with ``"interrupted"`` the name of the signal
         that stopped it (``Interruptions.signal_name``) or None / absent.
-      usage_error: the exception type the body raises for a bad command line.
+      usage_error: the exception type the body raises for a bad command line
+        (``rudax.run.UsageError``).
 
     Example:
       >>> import argparse

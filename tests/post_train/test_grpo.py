@@ -12,7 +12,8 @@ attributes they read:
 
 Both sides are float64; the losses, KL and gradients agree to 1e-12, and so do unscaled
 advantages. 1e-7 where TRL itself rounds to float32: its clip ratios (logged from float32
-flags) and its std (Bessel's n / (n - 1) taken in torch's default float32). Then the claims TRL cannot check: the same completions in
+flags) and its std (Bessel's n / (n - 1) taken in torch's default float32). Then the claims
+TRL cannot check: the same completions in
 TRL's padded ``[N, L]`` and in packed rows give the same loss and per-token gradients, NaN
 padding is never read, a group of equal rewards has advantage exactly 0 and finite
 gradients, and every bad argument is a ValueError naming it.
