@@ -33,7 +33,6 @@ One section per part of the work, each a subcommand:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks._sections import run_sections
 from benchmarks._timing import alternate, ratio_summary
 from rudax.models import IGNORE_INDEX, LlamaConfig, LlamaForCausalLM, generate, pack_shared_prefix
 from rudax.models._generate import _cache_shapes
@@ -298,23 +298,11 @@ def _training_section(sections: Any) -> None:
 
 # --- the command ---------------------------------------------------------------------------
 
-# Each section adds its subcommand, whose ``run(args)`` returns (results, printed table).
 SECTIONS = [_training_section, _sampling_section]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", help="write the results to this file")
-    sections = p.add_subparsers(dest="section", required=True)
-    for add in SECTIONS:
-        add(sections)
-    args = p.parse_args(argv)
-    r, table = args.run(args)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return r
+    return run_sections(__doc__.split("\n\n")[0], SECTIONS, argv)
 
 
 if __name__ == "__main__":

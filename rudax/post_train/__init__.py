@@ -6,7 +6,10 @@ code in the tests. ``token_logprobs`` takes a model's logits to per-token log-pr
 per-token values to per-completion ones over any layout, TRL's one completion per row or
 rows packed with a shared prompt (``rudax.models.pack_shared_prefix``'s ``completion``);
 ``dpo_loss`` is DPO and its IPO, hinge and robust variants; ``group_advantages`` and
-``grpo_loss`` are GRPO with the Dr. GRPO, BNPO and DAPO normalizations.
+``grpo_loss`` are GRPO with the Dr. GRPO, BNPO and DAPO normalizations. ``dpo_loss_sum``
+and ``grpo_loss_sum`` are the losses of a LoRA policy on packed shared-prefix rows (each
+prompt computed once for its answers, the reference the model with its adapters off), as
+``rudax.sharding.make_train_steps`` takes a loss: a sum and its weight.
 """
 
 # Public names, re-exported one per line (``from rudax.post_train._x import a as a``), sorted
@@ -14,10 +17,12 @@ rows packed with a shared prompt (``rudax.models.pack_shared_prefix``'s ``comple
 from rudax.post_train._dpo import DPO_LOSS_TYPES as DPO_LOSS_TYPES
 from rudax.post_train._dpo import DPOOutput as DPOOutput
 from rudax.post_train._dpo import dpo_loss as dpo_loss
+from rudax.post_train._dpo_batch import dpo_loss_sum as dpo_loss_sum
 from rudax.post_train._grpo import GRPO_LOSS_TYPES as GRPO_LOSS_TYPES
 from rudax.post_train._grpo import GRPOOutput as GRPOOutput
 from rudax.post_train._grpo import group_advantages as group_advantages
 from rudax.post_train._grpo import grpo_loss as grpo_loss
+from rudax.post_train._grpo_batch import grpo_loss_sum as grpo_loss_sum
 from rudax.post_train._logprobs import IGNORE_INDEX as IGNORE_INDEX
 from rudax.post_train._logprobs import completion_token_counts as completion_token_counts
 from rudax.post_train._logprobs import per_completion_sum as per_completion_sum
@@ -31,8 +36,10 @@ __all__ = [
     "GRPOOutput",
     "completion_token_counts",
     "dpo_loss",
+    "dpo_loss_sum",
     "group_advantages",
     "grpo_loss",
+    "grpo_loss_sum",
     "per_completion_sum",
     "token_logprobs",
 ]

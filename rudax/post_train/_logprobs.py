@@ -11,6 +11,7 @@ which layout they were given.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -150,6 +151,48 @@ def completion_token_counts(completion: ArrayLike, num_completions: int) -> jax.
         jnp.where(index >= 0, index, num_completions).reshape(-1),
         num_segments=num_completions,
     )
+
+
+def row_completions(batch: Mapping[str, Any], *, group: int) -> tuple[jax.Array, int]:
+    """``batch["completion"]`` (``pack_shared_prefix``'s) checked and renumbered row by row.
+
+    Returns ``(index, per_row)``: row r's k-th completion is ``r * per_row + k`` in ``index``
+    (-1 where nothing is scored), ``per_row`` the most a row can hold (each completion takes
+    at least two of its tokens: itself and a copy of its prompt's last one), a multiple of
+    ``group``, the completions per example (2 for DPO's pairs): a row's first completion,
+    and so each example's, then starts at a multiple of ``group``.
+
+    A row's completions are consecutive in ``pack_shared_prefix``'s numbering (over the
+    whole batch), so subtracting the row's smallest gives them the same numbers in any part
+    of the batch that holds the row: a device's rows inside ``jax.shard_map``, a
+    microbatch's. The batch's ``B * per_row`` numbers have room for every row's.
+    """
+    if "completion" not in batch:
+        raise KeyError(
+            "batch has no 'completion': pass pack_shared_prefix's, as "
+            "{**rows.batch(), 'completion': rows.completion}"
+        )
+    completion = jnp.asarray(batch["completion"])
+    labels_shape = jnp.shape(batch["labels"])
+    if completion.ndim != 2 or completion.shape != labels_shape:
+        raise ValueError(
+            f"batch['completion'] must be [B, T] like batch['labels'] {labels_shape}, "
+            f"got shape {completion.shape}"
+        )
+    if not jnp.issubdtype(completion.dtype, jnp.integer):
+        raise TypeError(f"batch['completion'] must be integers, got dtype {completion.dtype}")
+    rows, length = completion.shape
+    per_row = group * (length // (2 * group))
+    if per_row == 0:
+        raise ValueError(
+            f"rows of T={length} tokens cannot hold an example of {group} completion(s): "
+            f"it takes at least {2 * group}"
+        )
+    counted = completion >= 0
+    big = jnp.iinfo(completion.dtype).max
+    first = jnp.min(jnp.where(counted, completion, big), axis=1, keepdims=True)
+    row = jnp.arange(rows, dtype=completion.dtype)[:, None]
+    return jnp.where(counted, completion - first + row * per_row, -1), per_row
 
 
 def _compute_dtype(*arrays: jax.Array) -> DTypeLike:

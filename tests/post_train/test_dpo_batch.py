@@ -1,0 +1,162 @@
+"""rudax.post_train.dpo_loss_sum: the DPO loss of a LoRA policy on packed shared-prefix pairs,
+against TRL's layout written plainly (each answer in a row of its own after a copy of its
+prompt, the full logits' log-softmax, the reference a separate copy of the base model): the
+same loss, rewards and adapter gradients for every loss type; several pairs per row and
+empty slots; rows split over a mesh of simulated devices give the one-device update; bad
+batches and a model without adapters refused.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import rudax.layers as rl
+import rudax.optim as ro
+import rudax.sharding as rs
+from rudax.models import LlamaConfig, LlamaForCausalLM, pack_shared_prefix, shard
+from rudax.post_train import DPO_LOSS_TYPES, dpo_loss, dpo_loss_sum, token_logprobs
+from tests.post_train._lora import V, adapter_grad, assert_trees_close, base_and_policy, whole
+
+
+def _pairs(n, seed=0):
+    """n (prompt, chosen, rejected) of 1 to 7 prompt tokens and 1 to 5 tokens per answer."""
+    rng = np.random.default_rng(seed)
+    ids = lambda lo, hi: rng.integers(1, V, rng.integers(lo, hi)).tolist()
+    return [(ids(1, 8), ids(1, 6), ids(1, 6)) for _ in range(n)]
+
+
+def _trl_layout_loss(policy, base, pairs, **kw):
+    """TRL's DPO written plainly: each answer in its own row after its prompt, log-probs from
+    the full logits, the reference the base model itself. Returns (mean loss, DPOOutput)."""
+
+    def logp(model, prompt, answer):
+        tokens = jnp.asarray([prompt + answer[:-1]])
+        labels = jnp.asarray([[-100] * (len(prompt) - 1) + answer])
+        return jnp.sum(token_logprobs(model(tokens), labels))
+
+    def four(model):
+        return [jnp.stack([logp(model, p, a) for p, *answers in pairs for a in [answers[i]]])
+                for i in (0, 1)]  # fmt: skip
+
+    chosen, rejected = four(policy)
+    ref_chosen, ref_rejected = four(base)
+    lengths = {}
+    if kw.get("loss_type") == "ipo":
+        lengths = {
+            "chosen_lengths": jnp.asarray([len(c) for _, c, _ in pairs]),
+            "rejected_lengths": jnp.asarray([len(r) for _, _, r in pairs]),
+        }
+    out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, **kw, **lengths)
+    return out.loss, out
+
+
+def _packed(pairs, row_length=None):
+    rows = pack_shared_prefix([(p, [c, r]) for p, c, r in pairs], row_length=row_length)
+    return {**rows.batch(), "completion": rows.completion}
+
+
+@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+def test_equals_trls_layout_with_a_separate_reference_loss_rewards_and_gradients(loss_type):
+    base, policy = base_and_policy()
+    pairs = _pairs(5)
+    kw = {"beta": 0.3, "loss_type": loss_type}
+    if loss_type == "robust":
+        kw["label_smoothing"] = 0.2
+    # several pairs to a row (and a slot left empty at the end of a row), and pairs alone
+    for row_length in (None, 40):
+        batch = _packed(pairs, row_length)
+        assert row_length is None or batch["tokens"].shape[0] < len(pairs)
+
+        def shared(model, batch=batch):
+            total, metrics = dpo_loss_sum(model, batch, **kw)
+            return total / metrics["pairs"].astype(total.dtype)
+
+        loss, grads = adapter_grad(policy, shared)
+        want_loss, want_grads = adapter_grad(
+            policy, lambda m: _trl_layout_loss(m, base, pairs, **kw)[0]
+        )
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        assert_trees_close(grads, want_grads)
+        assert any(float(jnp.abs(g).max()) > 1e-3 for g in jax.tree.leaves(grads))
+
+    _, metrics = dpo_loss_sum(policy, batch, **kw)
+    out = _trl_layout_loss(policy, base, pairs, **kw)[1]
+    assert int(metrics["pairs"]) == int(metrics["tokens"]) == len(pairs)
+    np.testing.assert_allclose(metrics["chosen_rewards"], out.chosen_rewards.sum(), atol=1e-5)
+    np.testing.assert_allclose(metrics["rejected_rewards"], out.rejected_rewards.sum(), atol=1e-5)
+    np.testing.assert_allclose(
+        metrics["margins"], (out.chosen_rewards - out.rejected_rewards).sum(), atol=1e-5
+    )
+    assert float(metrics["accuracies"]) == float(jnp.sum(out.chosen_rewards > out.rejected_rewards))
+
+
+def test_untrained_adapters_give_log_2_per_pair_and_a_gradient():
+    """B = 0 (apply_lora's start): the policy is the reference, each pair's sigmoid loss is
+    log 2, and the gradient reaches the adapters' B through the policy only."""
+    config = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    rl.apply_lora(model, ["q_proj", "v_proj"], rank=2, alpha=4, rngs=nnx.Rngs(1))
+    batch = _packed(_pairs(3, seed=1), row_length=64)
+    loss, grads = adapter_grad(model, lambda m: dpo_loss_sum(m, batch)[0])
+    np.testing.assert_allclose(loss, 3 * np.log(2.0), rtol=1e-6)
+    assert float(optax.tree.norm(grads)) > 0
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("spec", [{"data": 8}, {"data": 4, "fsdp": 2}])
+def test_rows_split_over_a_mesh_give_the_one_device_update(spec):
+    """make_train_steps sums each device's pairs: the update over a mesh is the one-device
+    update, the pairs counted once."""
+    pairs = _pairs(12, seed=2)
+    batch = _packed(pairs, row_length=32)
+    rows = batch["tokens"].shape[0]
+    pad = -rows % 8  # whole rows per device: rows of padding (no pair) at the end
+    batch = {
+        k: np.concatenate([v, np.full((pad, v.shape[1]), -1 if k == "completion" else 0)])
+        for k, v in batch.items()
+    }
+    batch["labels"][rows:] = -100
+    # SGD: the update is linear in the gradient, summed in another order over the mesh
+    tx = ro.sgd(1.0)
+    loss = lambda m, b: dpo_loss_sum(m, b, beta=0.5)
+    results = []
+    for mesh in (None, rs.make_mesh(spec)):
+        _, policy = base_and_policy()
+        if mesh is not None and "fsdp" in mesh.axis_names:
+            policy = shard(policy, rs.ShardingContext(mesh, "fsdp"))
+        graphdef, adapters, rngs, rest = nnx.split(policy, rl.LoRAParam, nnx.RngState, ...)
+        put = lambda b: b
+        if mesh is not None:
+            adapters, rngs, rest = rs.place((adapters, rngs, rest), mesh)
+            put = lambda b, mesh=mesh: rs.put_batch(b, mesh, b["tokens"].shape[0])
+        steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh)
+        acc = ro.GradientAccumulator.init(adapters, jnp.float32)
+        acc, _, metrics = steps.micro(adapters, rngs, acc, rest, put(batch))
+        new, _, _, norm = steps.apply(adapters, tx.init(adapters), acc)
+        results.append((whole(new), jax.device_get(metrics), float(norm)))
+    (one, m1, n1), (many, m2, n2) = results
+    assert int(m1["pairs"]) == int(m2["pairs"]) == len(pairs)
+    np.testing.assert_allclose(m2["loss_sum"], m1["loss_sum"], rtol=1e-5)
+    np.testing.assert_allclose(n2, n1, rtol=1e-4)
+    assert_trees_close(many, one, rtol=1e-4, atol=1e-6)
+
+
+def test_bad_batches_and_a_model_without_adapters_are_refused():
+    base, policy = base_and_policy()
+    batch = _packed(_pairs(2))
+    with pytest.raises(KeyError, match="completion"):
+        dpo_loss_sum(policy, {k: v for k, v in batch.items() if k != "completion"})
+    with pytest.raises(ValueError, match=r"batch\['completion'\] must be \[B, T\]"):
+        dpo_loss_sum(policy, {**batch, "completion": batch["completion"][:, :-1]})
+    with pytest.raises(TypeError, match="integers"):
+        dpo_loss_sum(policy, {**batch, "completion": batch["completion"].astype(np.float32)})
+    with pytest.raises(ValueError, match="LoRALinear"):
+        dpo_loss_sum(base, batch)
