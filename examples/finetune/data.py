@@ -1,14 +1,14 @@
 """Fine-tuning batches: a JSONL (or .txt) file tokenized with the base's tokenizer, packed or padded
 into labelled rows, batch ``i`` a pure function of (the file, the seed, ``i``).
 
-Tokens. ``load_tokenizer`` reads the base directory's ``tokenizer.json``. Its eos id is the
-``eos_token_id`` of ``generation_config.json`` (what ``generate`` stops on), else of
-``config.json``, else the tokenizer's one special token; a list of ids (Llama 3) gives its
-first. Each example's ids are the ids the tokenizer's post-processor puts before a single
-sequence (Llama's ``<s>``; none for GPT-2-style and Qwen2 tokenizers), then each segment of
-``examples.finetune.template`` encoded on its own without special tokens, the eos as its
-id. A special token's text inside a record (``"<|endoftext|>"`` in a completion) is an
-error: the tokenizer would read it as that token, not as text.
+Tokens. ``rudax.models.load_tokenizer`` reads the base directory's ``tokenizer.json``. Its
+eos id is the ``eos_token_id`` of ``generation_config.json`` (what ``generate`` stops on),
+else of ``config.json``, else the tokenizer's one special token; a list of ids (Llama 3)
+gives its first. Each example's ids are the ids the tokenizer's post-processor puts before a
+single sequence (Llama's ``<s>``; none for GPT-2-style and Qwen2 tokenizers), then each
+segment of ``examples.finetune.template`` encoded on its own without special tokens, the eos
+as its id. A special token's text inside a record (``"<|endoftext|>"`` in a completion) is
+an error: the tokenizer would read it as that token, not as text.
 
 Chats. When the base folder holds a chat template (``chat_template.jinja``, or
 ``tokenizer_config.json``'s ``chat_template``), a ``messages`` record is rendered with it, as
@@ -45,120 +45,20 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-import json
 import numbers
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from examples.finetune.template import DataError, Record, Segment, read_records
-from rudax.models import ChatTemplate, load_chat_template
+from rudax.models import ChatTemplate, ModelTokenizer
 
-TOKENIZER = "tokenizer.json"
 IGNORE = -100  # the label of a position the loss does not count (torch's ignore_index)
 TOO_LONG = ("error", "drop")
 KEYS = ("tokens", "labels", "segment_ids", "positions")
-
-
-@dataclass(frozen=True)
-class BaseTokenizer:
-    """A base directory's tokenizer and the ids the data adds around the text.
-
-    Attributes:
-      tokenizer: the ``tokenizers.Tokenizer`` of ``tokenizer.json``.
-      eos_id: the end-of-sequence id appended after each counted answer.
-      eos_source: the file the eos id was read from.
-      prefix_ids: the ids put before every example (the post-processor's, e.g. a bos).
-      sha256: the SHA-256 of ``tokenizer.json``'s bytes, for a checkpoint to record.
-      path: the ``tokenizer.json`` read.
-      chat: the base's own chat template (``rudax.models.load_chat_template``), or None.
-    """
-
-    tokenizer: Tokenizer
-    eos_id: int
-    eos_source: str
-    prefix_ids: tuple[int, ...]
-    sha256: str
-    path: Path
-    chat: ChatTemplate | None = None
-
-
-def load_tokenizer(base_dir: str | os.PathLike) -> BaseTokenizer:
-    """Reads a Hugging Face directory's ``tokenizer.json`` and finds its eos id.
-
-    The eos id is the first of: ``generation_config.json``'s ``eos_token_id``, then
-    ``config.json``'s (a list of ids gives its first), then the tokenizer's only special
-    token. It must be an id of the tokenizer.
-
-    Args:
-      base_dir: a directory holding ``tokenizer.json`` (and usually ``config.json``).
-
-    Returns:
-      A ``BaseTokenizer``.
-
-    Raises:
-      ValueError: ``tokenizer.json`` is missing, a config file is not a JSON object, no eos
-        id can be found, or the one found is not an id of the tokenizer.
-
-    Example:
-      >>> import json, pathlib, tempfile
-      >>> from tokenizers import Tokenizer, models
-      >>> from examples.finetune.data import load_tokenizer
-      >>> base = pathlib.Path(tempfile.mkdtemp())
-      >>> vocab = {"<eos>": 0, "some": 1, "text": 2}
-      >>> Tokenizer(models.WordLevel(vocab, unk_token="<eos>")).save(str(base / "tokenizer.json"))
-      >>> _ = (base / "config.json").write_text(json.dumps({"eos_token_id": 0}))
-      >>> tok = load_tokenizer(base)
-      >>> tok.eos_id, tok.eos_source, tok.prefix_ids
-      (0, 'config.json', ())
-    """
-    base = Path(base_dir)
-    path = base / TOKENIZER
-    if not path.is_file():
-        raise ValueError(f"base_dir={str(base)!r} has no {TOKENIZER}")
-    blob = path.read_bytes()
-    tokenizer = Tokenizer.from_str(blob.decode("utf-8"))
-    eos_id, source = None, ""
-    for name in ("generation_config.json", "config.json"):
-        if (base / name).is_file():
-            try:
-                value = json.loads((base / name).read_text()).get("eos_token_id")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-                raise ValueError(f"{base / name}: not valid JSON of an object ({e})") from None
-            if isinstance(value, list) and value:
-                value = value[0]
-            if value is not None:
-                eos_id, source = value, name
-                break
-    if eos_id is None:
-        specials = [i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special]
-        if len(specials) != 1:
-            raise ValueError(
-                f"{base}: no eos_token_id in generation_config.json or config.json, and the "
-                f"tokenizer has {len(specials)} special tokens, not one to take for it: set "
-                "eos_token_id in config.json"
-            )
-        eos_id, source = specials[0], TOKENIZER
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    if isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < vocab:
-        raise ValueError(
-            f"{base / source}: eos_token_id={eos_id!r} is not an id of {path} ({vocab} ids)"
-        )
-    with_special = tokenizer.encode("a", add_special_tokens=True).ids
-    plain = tokenizer.encode("a", add_special_tokens=False).ids
-    starts = [p for p in range(len(with_special)) if with_special[p : p + len(plain)] == plain]
-    prefix = tuple(with_special[: starts[0]]) if starts else ()
-    try:
-        chat = load_chat_template(base)
-    except ValueError as e:
-        raise ValueError(f"base_dir={str(base)!r}: {e}") from e
-    sha = hashlib.sha256(blob).hexdigest()
-    return BaseTokenizer(tokenizer, eos_id, source, prefix, sha, path, chat)
 
 
 def counted_tokens(batch: dict[str, np.ndarray]) -> int:
@@ -172,7 +72,7 @@ class FinetuneData:
 
     Args:
       path: the JSONL file (``examples.finetune.template.read_records``).
-      tokenizer: the base's ``load_tokenizer``.
+      tokenizer: the base's ``rudax.models.load_tokenizer``.
       seq_len: tokens per row, ``T``; no example may be longer (see ``too_long``).
       batch_size: rows per batch, ``B``.
       seed: a non-negative int fixing every epoch's order.
@@ -194,7 +94,8 @@ class FinetuneData:
     Example:
       >>> import json, pathlib, tempfile
       >>> from tokenizers import Tokenizer, models, pre_tokenizers
-      >>> from examples.finetune.data import FinetuneData, counted_tokens, load_tokenizer
+      >>> from examples.finetune.data import FinetuneData, counted_tokens
+      >>> from rudax.models import load_tokenizer
       >>> root = pathlib.Path(tempfile.mkdtemp())
       >>> words = ["<eos>", "Q", ":", "add", "and", ".", "A", *map(str, range(10))]
       >>> tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
@@ -217,7 +118,7 @@ class FinetuneData:
     def __init__(
         self,
         path: str | os.PathLike,
-        tokenizer: BaseTokenizer,
+        tokenizer: ModelTokenizer,
         *,
         seq_len: int,
         batch_size: int,
@@ -227,8 +128,10 @@ class FinetuneData:
         too_long: str = "error",
         vocab_size: int | None = None,
     ) -> None:
-        if not isinstance(tokenizer, BaseTokenizer):
-            raise TypeError(f"tokenizer must be a load_tokenizer(...), got {tokenizer=}")
+        if not isinstance(tokenizer, ModelTokenizer):
+            raise TypeError(
+                f"tokenizer must be a rudax.models.load_tokenizer(...), got {tokenizer=}"
+            )
         _check("seq_len", seq_len, "positive int")
         _check("batch_size", batch_size, "positive int")
         _check("seed", seed, "int")
@@ -251,7 +154,7 @@ class FinetuneData:
         self._rows_before = [0]  # rows of the stream before epoch e, for the epochs seen
         self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def _tokenize(self, tok: BaseTokenizer, vocab_size: int | None) -> None:
+    def _tokenize(self, tok: ModelTokenizer, vocab_size: int | None) -> None:
         records = read_records(self.path)
         added = tok.tokenizer.get_added_tokens_decoder().values()
         specials = [t.content for t in added if t.special]

@@ -91,7 +91,7 @@ from examples.finetune.config import (
     FinetuneConfig,
     build_parser,
 )
-from examples.finetune.data import BaseTokenizer, FinetuneData, load_tokenizer
+from examples.finetune.data import FinetuneData
 from examples.finetune.template import DataError
 from rudax.run import UsageError
 
@@ -152,7 +152,7 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
 
     # --------------------------------------------------------------------------- data
     try:
-        tokenizer = load_tokenizer(base_dir)
+        tokenizer = rm.load_tokenizer(base_dir)
         hf_config = json.loads((base_dir / "config.json").read_text())
         limit = hf_config.get("max_position_embeddings")
         if limit is not None and config.seq_len > limit:
@@ -487,7 +487,7 @@ def _count_tokens(segment_ids: jax.Array) -> jax.Array:
 
 
 def _sample(
-    model: rm.LlamaForCausalLM, tokenizer: BaseTokenizer, data: FinetuneData, n: int, when: str
+    model: rm.LlamaForCausalLM, tokenizer: rm.ModelTokenizer, data: FinetuneData, n: int, when: str
 ) -> str:
     """Returns the model's greedy completion (dropout off) of data's first prompt; process 0
     prints it. A model held whole is called on process 0 alone; one sharded over the mesh by

@@ -14,7 +14,8 @@ KV cache (``num_samples`` continuations of a prompt sharing its keys and values;
 ``causal_lm_loss_sum`` is the training loss (a sum over labelled tokens, for token-weighted
 accumulation), ``causal_lm_token_logprobs`` each label's log-probability (post-training's,
 at the sampling temperature), ``shard`` is a model's FSDP form, ``flops_per_token`` its
-training FLOPs (for MFU), ``ChatTemplate`` renders a tokenizer's own chat template, and
+training FLOPs (for MFU), ``load_tokenizer`` reads a folder's ``tokenizer.json`` with its
+eos id and chat template (``ChatTemplate`` renders a tokenizer's own template), and
 ``pack_shared_prefix`` lays out a prompt and its completions so the prompt is computed once.
 """
 
@@ -43,6 +44,8 @@ from rudax.models._safetensors_writer import save_safetensors as save_safetensor
 from rudax.models._shard import shard as shard
 from rudax.models._shared_prefix import SharedPrefixBatch as SharedPrefixBatch
 from rudax.models._shared_prefix import pack_shared_prefix as pack_shared_prefix
+from rudax.models._tokenizer import ModelTokenizer as ModelTokenizer
+from rudax.models._tokenizer import load_tokenizer as load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -52,6 +55,7 @@ __all__ = [
     "KVCache",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "ModelTokenizer",
     "SafetensorsFile",
     "SharedPrefixBatch",
     "causal_lm_loss_sum",
@@ -63,6 +67,7 @@ __all__ = [
     "gather_adapters_into",
     "generate",
     "load_chat_template",
+    "load_tokenizer",
     "open_checkpoint",
     "pack_shared_prefix",
     "save_pretrained",

@@ -17,9 +17,10 @@ from tokenizers import Tokenizer, processors
 
 from examples.finetune import data as fdata
 from examples.finetune import template
-from examples.finetune.data import FinetuneData, counted_tokens, load_tokenizer
+from examples.finetune.data import FinetuneData, counted_tokens
 from examples.finetune.template import DataError, render
 from examples.lm.tokenizer import train_tokenizer
+from rudax.models import load_tokenizer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "return", "value", "sum", "of", "the", "list"]
 EOS = 0  # <|endoftext|> in examples.lm's tokenizer, config.json's eos_token_id below
@@ -559,42 +560,8 @@ def test_bad_arguments(tok, tmp_path, kwargs, error, message):
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD])
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         FinetuneData(path, tok, **{"seq_len": 32, "batch_size": 1, "seed": 0, **kwargs})
-    with pytest.raises(TypeError, match="tokenizer must be a load_tokenizer"):
+    with pytest.raises(TypeError, match=r"tokenizer must be a rudax\.models\.load_tokenizer"):
         FinetuneData(path, "tokenizer.json", seq_len=32, batch_size=1, seed=0)
-
-
-# ---------------------------------------------------------------------------------------------
-# the base's tokenizer and eos
-
-
-def test_eos_id_comes_from_generation_config_then_config_then_the_special_token(base, tmp_path):
-    d = tmp_path / "b"
-    d.mkdir()
-    (d / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
-    t = load_tokenizer(d)  # no config: the tokenizer's one special token, <|endoftext|>
-    assert (t.eos_id, t.eos_source) == (0, "tokenizer.json")
-    (d / "config.json").write_text(json.dumps({"eos_token_id": [5, 0]}))
-    assert (load_tokenizer(d).eos_id, load_tokenizer(d).eos_source) == (5, "config.json")
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
-    t = load_tokenizer(d)
-    assert (t.eos_id, t.eos_source) == (7, "generation_config.json")
-    assert t.sha256 == hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest()
-    vocab = t.tokenizer.get_vocab_size(with_added_tokens=True)
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab}))
-    with pytest.raises(ValueError, match=rf"eos_token_id={vocab} is not an id of .* \({vocab} ids"):
-        load_tokenizer(d)
-    (d / "generation_config.json").write_text("{eos_token_id: 7}")
-    with pytest.raises(ValueError, match=r"generation_config\.json: not valid JSON"):
-        load_tokenizer(d)
-    (d / "generation_config.json").unlink()
-    (d / "config.json").unlink()
-    tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tokenizer.add_special_tokens(["<pad>"])
-    tokenizer.save(str(d / "tokenizer.json"))
-    with pytest.raises(ValueError, match="the tokenizer has 2 special tokens, not one"):
-        load_tokenizer(d)
-    with pytest.raises(ValueError, match=r"has no tokenizer\.json"):
-        load_tokenizer(tmp_path)
 
 
 def test_docstring_examples():

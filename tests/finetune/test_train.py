@@ -554,8 +554,9 @@ def test_qlora_trains_chats_in_the_bases_own_chat_template(base_dir, tmp_path):
     records rendered by it (the data reader's ids are the template's), and learns them."""
     import shutil
 
-    from examples.finetune.data import FinetuneData, load_tokenizer
+    from examples.finetune.data import FinetuneData
     from examples.lm.tokenizer import EOT
+    from rudax.models import load_tokenizer
     from tests.finetune.conftest import examples as pairs
 
     base = tmp_path / "chat-base"
