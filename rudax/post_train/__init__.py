@@ -27,6 +27,12 @@ from rudax.post_train._logprobs import IGNORE_INDEX as IGNORE_INDEX
 from rudax.post_train._logprobs import completion_token_counts as completion_token_counts
 from rudax.post_train._logprobs import per_completion_sum as per_completion_sum
 from rudax.post_train._logprobs import token_logprobs as token_logprobs
+from rudax.post_train._rewards import RewardError as RewardError
+from rudax.post_train._rewards import Rewards as Rewards
+from rudax.post_train._rewards import compute_rewards as compute_rewards
+from rudax.post_train._rewards import exact_match_reward as exact_match_reward
+from rudax.post_train._rewards import format_reward as format_reward
+from rudax.post_train._rewards import load_reward as load_reward
 
 __all__ = [
     "DPO_LOSS_TYPES",
@@ -34,12 +40,18 @@ __all__ = [
     "IGNORE_INDEX",
     "DPOOutput",
     "GRPOOutput",
+    "RewardError",
+    "Rewards",
     "completion_token_counts",
+    "compute_rewards",
     "dpo_loss",
     "dpo_loss_sum",
+    "exact_match_reward",
+    "format_reward",
     "group_advantages",
     "grpo_loss",
     "grpo_loss_sum",
+    "load_reward",
     "per_completion_sum",
     "token_logprobs",
 ]
