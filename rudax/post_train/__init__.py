@@ -33,6 +33,9 @@ from rudax.post_train._rewards import compute_rewards as compute_rewards
 from rudax.post_train._rewards import exact_match_reward as exact_match_reward
 from rudax.post_train._rewards import format_reward as format_reward
 from rudax.post_train._rewards import load_reward as load_reward
+from rudax.post_train._rollout import LogprobMismatchError as LogprobMismatchError
+from rudax.post_train._rollout import Rollout as Rollout
+from rudax.post_train._rollout import rollout as rollout
 
 __all__ = [
     "DPO_LOSS_TYPES",
@@ -40,8 +43,10 @@ __all__ = [
     "IGNORE_INDEX",
     "DPOOutput",
     "GRPOOutput",
+    "LogprobMismatchError",
     "RewardError",
     "Rewards",
+    "Rollout",
     "completion_token_counts",
     "compute_rewards",
     "dpo_loss",
@@ -53,5 +58,6 @@ __all__ = [
     "grpo_loss_sum",
     "load_reward",
     "per_completion_sum",
+    "rollout",
     "token_logprobs",
 ]
