@@ -143,7 +143,7 @@ def test_readme_post_training_example_runs():
     exec(compile(block, "README.md", "exec"), namespace)
     margins = namespace["margins"]
     assert margins[0] == 0.0 and margins[-1] > 0.0, margins  # B starts at 0: policy = reference
-    assert int(namespace["metrics"]["completions"]) == 4
+    assert int(namespace["metrics"]["completions"]) == 8
     grads = jax.tree.leaves(namespace["grads"])
     assert all(bool(jax.numpy.isfinite(g).all()) for g in grads)
     assert len(set(namespace["rewards"].tolist())) > 1  # the samples differ: a policy gradient
