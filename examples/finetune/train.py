@@ -296,13 +296,13 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
         config=run_config,
     )
     step = 0
-    checkpointer = _checkpointer(run_dir, keep=config.keep)
+    checkpointer = rr.open_checkpoints(run_dir, keep=config.keep)
     resumed = config.resume and checkpointer.latest_step() is not None
     if config.resume and not resumed:
         say(f"--resume: {run_dir} has no checkpoint yet: starting from update 0")
     if resumed:
         try:
-            restored = _restore(checkpointer, record(0), run_dir)
+            restored = rr.restore_latest(checkpointer, record(0))
         except UsageError:
             checkpointer.close()
             raise
@@ -688,40 +688,3 @@ def _check_identity(run_dir: Path, identity: dict[str, Any]) -> None:
                 f"({saved.get(key)} vs "
                 f"{identity[key]}): the batches would not be the same"
             )
-
-
-def _restore(
-    checkpointer: rc.Checkpointer, like: rc.TrainingRecord, run_dir: Path
-) -> rc.TrainingRecord:
-    """--resume: the latest checkpoint; a damaged one, or one of another configuration, is a
-    UsageError saying what to do."""
-    steps = checkpointer.all_steps()
-    latest = steps[-1]
-    try:
-        return checkpointer.restore(like, step=latest)
-    except rc.CheckpointCorruptedError as e:
-        where = run_dir / "checkpoints" / str(latest)
-        fix = (
-            f"move {where} out of {where.parent} to resume from update {steps[-2]}"
-            if len(steps) > 1
-            else "no earlier checkpoint: start a new run (another --name or --run-dir)"
-        )
-        raise UsageError(
-            f"--resume: checkpoint {latest} in {where.parent} is damaged; {fix} ({e})"
-        ) from e
-    except ValueError as e:  # the run's config.json is not the checkpoints' configuration
-        difference = str(e).partition("; pass strict=False")[0]
-        raise UsageError(
-            f"--resume: {run_dir / 'config.json'} does not describe the run its checkpoints "
-            f"were saved by ({difference}): put back the config.json the run was started "
-            "with, or start a new run (another --name or --run-dir)"
-        ) from e
-
-
-def _checkpointer(run_dir: Path, *, keep: int) -> rc.Checkpointer:
-    try:
-        # Saves fall on update boundaries: the accumulator is empty, all zeros (see
-        # examples/lm/train.py), and so are the LoRA B matrices and moments at step 0.
-        return rc.Checkpointer(run_dir / "checkpoints", keep=keep, zeros_as_metadata=True)
-    except rc.CheckpointLockedError as e:
-        raise UsageError(f"{run_dir}: its checkpoints are in use: {e}") from e

@@ -283,7 +283,7 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
         step, tokens = restored.state["step"], restored.state["tokens"]
         say(f"resumed {run_dir} at update {step} of {flags.steps}")
-    checkpointer = _writer(run_dir / "checkpoints", keep=flags.keep)
+    checkpointer = rr.open_checkpoints(run_dir, keep=flags.keep)
     skips = guard.SkipWatch(flags.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
 
     # --------------------------------------------------------------------------- loop
@@ -550,32 +550,18 @@ def _resume(
     """--resume: checkpoint ``step`` (None: the latest) of run_dir, restored into ``like``.
 
     A damaged checkpoint is a UsageError naming the intact ones, each tried by restoring it,
-    and the --resume-step that picks one. Resuming from an earlier step moves the later ones
-    into ``run_dir/superseded/``: this session saves those step numbers again, and nothing
-    committed is deleted.
+    and the --resume-step that picks one (``rudax.run.restore_latest``). Resuming from an
+    earlier step moves the later ones into ``run_dir/superseded/``: this session saves those
+    step numbers again, and nothing committed is deleted.
     """
-    directory = run_dir / "checkpoints"
-    checkpointer = _writer(directory, keep=keep)  # the lock: no other session writes meanwhile
+    checkpointer = rr.open_checkpoints(run_dir, keep=keep)  # the lock: no other writer
     try:
         saved = checkpointer.all_steps()
         chosen = saved[-1] if step is None else step
-        try:  # the record's config is compared with this run's: a mismatch is an error
-            restored = checkpointer.restore(like, step=chosen)
-        except rc.CheckpointCorruptedError as e:
-            intact = [s for s in saved if s != chosen and _restores(checkpointer, like, s)]
-            fix = (
-                f"intact: {', '.join(map(str, intact))}; continue from one with "
-                f"--resume-step {intact[-1]}"
-                if intact
-                else "no other checkpoint is intact"
-            )
-            raise UsageError(
-                f"--resume: checkpoint {chosen} in {directory} is damaged; {fix} ({e})"
-            ) from e
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from e
+        restored = rr.restore_latest(checkpointer, like, step=chosen, step_flag="--resume-step")
     finally:
         checkpointer.close()
+    directory = run_dir / "checkpoints"
     later = [s for s in saved if s > chosen]
     if later and jax.process_count() > 1:
         # every process has restored `chosen` before process 0 moves the others away
@@ -590,25 +576,6 @@ def _resume(
             (directory / str(s)).rename(target)
         say(f"--resume-step {chosen}: moved the later checkpoints {later} into {aside}")
     return restored
-
-
-def _writer(directory: Path, *, keep: int) -> rc.Checkpointer:
-    """The run's Checkpointer; UsageError if another process has the directory open."""
-    try:
-        # Saves fall on update boundaries: the accumulator is empty, all zeros, and at step 0
-        # so are AdamW's moments. Listed in the meta item, they are not written (rudax reads
-        # them back as zeros; plain orbax sees None for them).
-        return rc.Checkpointer(directory, keep=keep, zeros_as_metadata=True)
-    except rc.CheckpointLockedError as e:
-        raise UsageError(f"--run-dir {directory.parent}: its checkpoints are in use: {e}") from e
-
-
-def _restores(checkpointer: rc.Checkpointer, like: rc.TrainingRecord, step: int) -> bool:
-    try:
-        checkpointer.restore(like, step=step)
-    except ValueError:  # CheckpointCorruptedError, or a step of another config
-        return False
-    return True
 
 
 def _checkpoint_root(source: str) -> Path:

@@ -12,6 +12,8 @@ of faulting it in again each step (``MALLOC_ENV``: the same for a child process)
 and ``given_flags`` tells the flags typed from defaults (a resumed run keeps its own).
 ``Interruptions`` turns Ctrl-C and a preemption's SIGTERM into a request the loop answers
 after its current update: save, then stop as ``--stop-at`` does (agreed by every process).
+``open_checkpoints`` opens a run's checkpoints for a session's saves and ``restore_latest``
+restores one on ``--resume``, a damaged or foreign checkpoint a ``UsageError`` saying what to do.
 
 ``python -m rudax.run.launch --processes N [--cpu-devices K] -- COMMAND`` runs a command as N
 ``jax.distributed`` processes on this machine (``rudax.run.launch.launch`` from Python), their
@@ -41,6 +43,8 @@ from rudax.run._metrics import MetricsLog as MetricsLog
 from rudax.run._metrics import plot_losses as plot_losses
 from rudax.run._metrics import read_metrics as read_metrics
 from rudax.run._program import run_program as run_program
+from rudax.run._resume import open_checkpoints as open_checkpoints
+from rudax.run._resume import restore_latest as restore_latest
 
 __all__ = [
     "MALLOC_ENV",
@@ -58,8 +62,10 @@ __all__ = [
     "initialize_distributed",
     "initialize_from_flags",
     "mesh_flag",
+    "open_checkpoints",
     "plot_losses",
     "read_metrics",
+    "restore_latest",
     "retain_freed_memory",
     "run_program",
 ]
