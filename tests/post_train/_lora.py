@@ -1,16 +1,19 @@
 """What the post-training model tests share: a small Llama and the same weights with trained-
-looking LoRA adapters, the adapters' gradient of a function of the model, and a state's
-leaves with FSDP's shards put back into their logical shapes."""
+looking LoRA adapters, the adapters' gradient of a function of the model, a state's leaves
+with FSDP's shards put back into their logical shapes, and one update of the adapters on one
+device and over a mesh."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import rudax.layers as rl
+import rudax.optim as ro
 import rudax.sharding as rs
-from rudax.models import LlamaConfig, LlamaForCausalLM
+from rudax.models import LlamaConfig, LlamaForCausalLM, shard
 
 V = 64
 
@@ -52,3 +55,28 @@ def whole(tree):
 def assert_trees_close(got, want, rtol=2e-5, atol=2e-6):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+
+
+def one_update_each(policy_factory, loss, batch, spec):
+    """One SGD update of the adapters by ``make_train_steps`` on one device, then over a mesh
+    of ``spec`` (FSDP's form where it has ``fsdp``): ``[(adapters, metrics, grad norm)] * 2``.
+
+    SGD: the update is linear in the gradient, whose sums run in another order over a mesh.
+    """
+    tx = ro.sgd(1.0)
+    results = []
+    for mesh in (None, rs.make_mesh(spec)):
+        policy = policy_factory()
+        if mesh is not None and "fsdp" in mesh.axis_names:
+            policy = shard(policy, rs.ShardingContext(mesh, "fsdp"))
+        graphdef, adapters, rngs, rest = nnx.split(policy, rl.LoRAParam, nnx.RngState, ...)
+        put = lambda b: b
+        if mesh is not None:
+            adapters, rngs, rest = rs.place((adapters, rngs, rest), mesh)
+            put = lambda b, mesh=mesh: rs.put_batch(b, mesh, b["tokens"].shape[0])
+        steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh)
+        acc = ro.GradientAccumulator.init(adapters, jnp.float32)
+        acc, _, metrics = steps.micro(adapters, rngs, acc, rest, put(batch))
+        new, _, _, norm = steps.apply(adapters, tx.init(adapters), acc)
+        results.append((whole(new), jax.device_get(metrics), float(norm)))
+    return results

@@ -16,11 +16,15 @@ import pytest
 from flax import nnx
 
 import rudax.layers as rl
-import rudax.optim as ro
-import rudax.sharding as rs
-from rudax.models import LlamaConfig, LlamaForCausalLM, pack_shared_prefix, shard
+from rudax.models import LlamaConfig, LlamaForCausalLM, pack_shared_prefix
 from rudax.post_train import DPO_LOSS_TYPES, dpo_loss, dpo_loss_sum, token_logprobs
-from tests.post_train._lora import V, adapter_grad, assert_trees_close, base_and_policy, whole
+from tests.post_train._lora import (
+    V,
+    adapter_grad,
+    assert_trees_close,
+    base_and_policy,
+    one_update_each,
+)
 
 
 def _pairs(n, seed=0):
@@ -124,24 +128,8 @@ def test_rows_split_over_a_mesh_give_the_one_device_update(spec):
         for k, v in batch.items()
     }
     batch["labels"][rows:] = -100
-    # SGD: the update is linear in the gradient, summed in another order over the mesh
-    tx = ro.sgd(1.0)
     loss = lambda m, b: dpo_loss_sum(m, b, beta=0.5)
-    results = []
-    for mesh in (None, rs.make_mesh(spec)):
-        _, policy = base_and_policy()
-        if mesh is not None and "fsdp" in mesh.axis_names:
-            policy = shard(policy, rs.ShardingContext(mesh, "fsdp"))
-        graphdef, adapters, rngs, rest = nnx.split(policy, rl.LoRAParam, nnx.RngState, ...)
-        put = lambda b: b
-        if mesh is not None:
-            adapters, rngs, rest = rs.place((adapters, rngs, rest), mesh)
-            put = lambda b, mesh=mesh: rs.put_batch(b, mesh, b["tokens"].shape[0])
-        steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh)
-        acc = ro.GradientAccumulator.init(adapters, jnp.float32)
-        acc, _, metrics = steps.micro(adapters, rngs, acc, rest, put(batch))
-        new, _, _, norm = steps.apply(adapters, tx.init(adapters), acc)
-        results.append((whole(new), jax.device_get(metrics), float(norm)))
+    results = one_update_each(lambda: base_and_policy()[1], loss, batch, spec)
     (one, m1, n1), (many, m2, n2) = results
     assert int(m1["pairs"]) == int(m2["pairs"]) == len(pairs)
     np.testing.assert_allclose(m2["loss_sum"], m1["loss_sum"], rtol=1e-5)

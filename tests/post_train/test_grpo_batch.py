@@ -12,12 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-import rudax.layers as rl
-import rudax.optim as ro
-import rudax.sharding as rs
-from rudax.models import pack_shared_prefix, shard
+from rudax.models import pack_shared_prefix
 from rudax.post_train import (
     GRPO_LOSS_TYPES,
     group_advantages,
@@ -25,7 +21,13 @@ from rudax.post_train import (
     grpo_loss_sum,
     token_logprobs,
 )
-from tests.post_train._lora import V, adapter_grad, assert_trees_close, base_and_policy, whole
+from tests.post_train._lora import (
+    V,
+    adapter_grad,
+    assert_trees_close,
+    base_and_policy,
+    one_update_each,
+)
 
 TEMPERATURE = 0.7
 
@@ -139,24 +141,10 @@ def test_without_old_logps_the_ratio_is_one_and_equal_rewards_give_zero():
 def test_rows_split_over_a_mesh_give_the_one_device_update(spec, loss_type):
     groups = _groups(8, 2, seed=5)  # 16 completions: one group a row, a row a device
     batch = _packed(groups)
-    # SGD: the update is linear in the gradient, summed in another order over the mesh
-    tx = ro.sgd(1.0)
     loss = lambda m, b: grpo_loss_sum(m, b, beta=0.1, loss_type=loss_type)
-    results = []
-    for mesh in (None, rs.make_mesh(spec)):
-        _, policy = base_and_policy(("q_proj", "v_proj", "down_proj"), seed=3)
-        if mesh is not None and "fsdp" in mesh.axis_names:
-            policy = shard(policy, rs.ShardingContext(mesh, "fsdp"))
-        graphdef, adapters, rngs, rest = nnx.split(policy, rl.LoRAParam, nnx.RngState, ...)
-        put = lambda b: b
-        if mesh is not None:
-            adapters, rngs, rest = rs.place((adapters, rngs, rest), mesh)
-            put = lambda b, mesh=mesh: rs.put_batch(b, mesh, b["tokens"].shape[0])
-        steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh)
-        acc = ro.GradientAccumulator.init(adapters, jnp.float32)
-        acc, _, metrics = steps.micro(adapters, rngs, acc, rest, put(batch))
-        new, _, _, norm = steps.apply(adapters, tx.init(adapters), acc)
-        results.append((whole(new), jax.device_get(metrics), float(norm)))
+    results = one_update_each(
+        lambda: base_and_policy(("q_proj", "v_proj", "down_proj"), seed=3)[1], loss, batch, spec
+    )
     (one, m1, n1), (many, m2, n2) = results
     assert int(m1["completions"]) == int(m2["completions"]) == 16
     np.testing.assert_allclose(m2["loss_sum"], m1["loss_sum"], rtol=1e-5, atol=1e-7)
