@@ -46,7 +46,7 @@ from flax import nnx
 import rudax.layers as rl
 from benchmarks._sections import run_sections
 from benchmarks._timing import alternate, ratio_summary
-from benchmarks.shared_prefix import PRESETS, build
+from benchmarks.shared_prefix import PRESETS, build, step_table
 from rudax.models import PROJECTIONS, causal_lm_token_logprobs, generate, pack_shared_prefix
 from rudax.post_train import dpo_loss_sum, group_advantages, grpo_loss_sum
 
@@ -139,16 +139,9 @@ def dpo_report(r: dict[str, Any]) -> str:
         f"answers, {r['rounds']} rounds; losses agree within "
         f"{r['loss_relative_difference']:.1e} (relative)",
         "",
-        "| arm | tokens | XLA temp MiB | s per step |",
-        "|---|---|---|---|",
     ]
     names = {"shared": "shared prompt", "unshared": "prompt per answer (TRL's layout)"}
-    for arm, row in r["arms"].items():
-        temp = "n/a" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**20:,.1f}"
-        lines.append(f"| {names[arm]} | {row['tokens']:,} | {temp} | {row['seconds']:.3f} |")
-    med, lo, hi = r["speed_shared_vs_unshared"]
-    lines += ["", f"speed: shared {med:.2f}x the unshared layout's [{lo:.2f}, {hi:.2f}]"]
-    return "\n".join(lines)
+    return "\n".join(lines + step_table(r["arms"], names, r["speed_shared_vs_unshared"]))
 
 
 def _dpo_section(sections: Any) -> None:

@@ -265,16 +265,22 @@ def training_report(r: dict[str, Any]) -> str:
         f"completions of {r['completion_len']}, {r['rounds']} rounds; completion hidden states "
         f"agree within {r['max_relative_difference']:.1e} of the largest",
         "",
-        "| arm | tokens | XLA temp MiB | s per step |",
-        "|---|---|---|---|",
     ]
     names = {"shared": "shared row (branch_ids)", "unshared": f"{r['samples']} rows, unshared"}
-    for arm, row in r["arms"].items():
+    return "\n".join(lines + step_table(r["arms"], names, r["speed_shared_vs_unshared"]))
+
+
+def step_table(
+    arms: dict[str, dict[str, Any]], names: dict[str, str], speed: Sequence[float]
+) -> list[str]:
+    """The lines of a table of training steps, one row per arm (its tokens, XLA temp bytes
+    and median seconds), then the shared layout's speed, median [min, max]."""
+    lines = ["| arm | tokens | XLA temp MiB | s per step |", "|---|---|---|---|"]
+    for arm, row in arms.items():
         temp = "n/a" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**20:,.1f}"
         lines.append(f"| {names[arm]} | {row['tokens']:,} | {temp} | {row['seconds']:.3f} |")
-    med, lo, hi = r["speed_shared_vs_unshared"]
-    lines += ["", f"speed: shared {med:.2f}x the unshared layout's [{lo:.2f}, {hi:.2f}]"]
-    return "\n".join(lines)
+    med, lo, hi = speed
+    return [*lines, "", f"speed: shared {med:.2f}x the unshared layout's [{lo:.2f}, {hi:.2f}]"]
 
 
 def _training_section(sections: Any) -> None:
