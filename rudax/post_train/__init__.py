@@ -27,6 +27,7 @@ from rudax.post_train._logprobs import IGNORE_INDEX as IGNORE_INDEX
 from rudax.post_train._logprobs import completion_token_counts as completion_token_counts
 from rudax.post_train._logprobs import per_completion_sum as per_completion_sum
 from rudax.post_train._logprobs import token_logprobs as token_logprobs
+from rudax.post_train._preference import tokenize_preference as tokenize_preference
 from rudax.post_train._rewards import RewardError as RewardError
 from rudax.post_train._rewards import Rewards as Rewards
 from rudax.post_train._rewards import compute_rewards as compute_rewards
@@ -60,4 +61,5 @@ __all__ = [
     "per_completion_sum",
     "rollout",
     "token_logprobs",
+    "tokenize_preference",
 ]
