@@ -588,7 +588,10 @@ def _check_flags(config: FinetuneConfig, run_dir: Path) -> None:
         if path is not None and not Path(path).is_file():
             raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
     if not 0 <= config.warmup < config.steps:
-        raise UsageError(f"--warmup must be in [0, --steps), got {config.warmup}, {config.steps=}")
+        raise UsageError(
+            f"--warmup must be in [0, --steps), got --warmup {config.warmup}, "
+            f"--steps {config.steps}"
+        )
     if config.merged:
         merged = Path(config.merged)
         if merged.exists() and not merged.is_dir():

@@ -419,14 +419,19 @@ def check_session(args: TrainConfig) -> None:
 def check(args: TrainConfig) -> None:
     """Cross-flag checks; UsageError names the flags and their values."""
     if args.warmup >= args.steps:
-        raise UsageError(f"--warmup must be < --steps, got {args.warmup=}, {args.steps=}")
+        raise UsageError(
+            f"--warmup must be < --steps, got --warmup {args.warmup}, --steps {args.steps}"
+        )
     if args.stop_at is not None and args.stop_at > args.steps:
-        raise UsageError(f"--stop-at must be <= --steps, got {args.stop_at=}, {args.steps=}")
+        raise UsageError(
+            f"--stop-at must be <= --steps, got --stop-at {args.stop_at}, --steps {args.steps}"
+        )
     if args.trace and not args.profile:
         raise UsageError("--trace DIR writes the trace of --profile: add --profile")
     if args.moe and args.top_k > args.num_experts:
         raise UsageError(
-            f"--top-k must be <= --num-experts, got {args.top_k=}, {args.num_experts=}"
+            f"--top-k must be <= --num-experts, got --top-k {args.top_k}, "
+            f"--num-experts {args.num_experts}"
         )
     mesh = args.mesh or {}
     devices = math.prod(mesh.values()) if mesh else 1

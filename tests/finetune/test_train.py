@@ -474,7 +474,7 @@ def test_help_names_every_choice_of_absmax_rounding(capsys):
         (("--dropout", "1.5"), "--dropout must be in [0, 1), got 1.5"),
         (("--alpha", "0"), "--alpha must be positive, got 0.0"),
         (("--lr", "-1"), "--lr must be positive, got -1.0"),
-        (("--warmup", "-1"), "--warmup must be in [0, --steps), got -1"),
+        (("--warmup", "-1"), "--warmup must be in [0, --steps), got --warmup -1, --steps"),
         (("--min-lr-ratio", "2"), "--min-lr-ratio must be in [0, 1], got 2.0"),
         (("--scan-layers",), "--scan-layers needs --dropout 0, got --dropout 0.05"),
         # issue 29: a raw FileNotFoundError traceback, after hf/base had been exported

@@ -209,7 +209,7 @@ CASES = [
     Bad("lr-overflows-float32", lambda: cli("--lr", "1e39"), UsageExit,
         r"argument --lr: must be at most 3\.402823e\+38 \(float32's largest\), got 1e39"),
     Bad("stop-at-beyond-steps", lambda: cli("--steps", "10", "--warmup", "1", "--stop-at", "11"),
-        UsageExit, r"--stop-at must be <= --steps, got args\.stop_at=11, args\.steps=10"),
+        UsageExit, r"--stop-at must be <= --steps, got --stop-at 11, --steps 10"),
     Bad("max-skipped-updates-zero", lambda: cli("--max-skipped-updates", "0"), UsageExit,
         r"argument --max-skipped-updates: must be >= 1, got 0"),
     Bad("resume-step-without-resume", lambda: cli("--resume-step", "3"), UsageExit,

@@ -213,8 +213,18 @@ def test_help_documents_every_flag(capsys):
             ["--mesh", "data=2,fsdp=2", "--optimizer", "adamw"],
             "--mesh data=2,fsdp=2 needs 4 devices, the run has",
         ),
-        (["--warmup", "10", "--steps", "10"], "--warmup must be < --steps"),
-        (["--moe", "--top-k", "5"], "--top-k must be <= --num-experts"),
+        (
+            ["--warmup", "10", "--steps", "10"],
+            "--warmup must be < --steps, got --warmup 10, --steps 10",
+        ),
+        (
+            ["--steps", "20", "--stop-at", "30"],
+            "--stop-at must be <= --steps, got --stop-at 30, --steps 20",
+        ),
+        (
+            ["--moe", "--top-k", "5"],
+            "--top-k must be <= --num-experts, got --top-k 5, --num-experts",
+        ),
         (["--resume"], "--resume needs the run to continue"),
         (["--trace", "t"], "--trace DIR writes the trace of --profile"),
     ],
