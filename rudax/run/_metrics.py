@@ -129,23 +129,38 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_losses(rows: Iterable[dict[str, Any]], path: str | os.PathLike, *, title: str) -> None:
-    """Train and validation loss against the update step, as a PNG (matplotlib, Agg)."""
+def plot_losses(
+    rows: Iterable[dict[str, Any]],
+    path: str | os.PathLike,
+    *,
+    title: str,
+    train_key: str = "loss",
+    eval_key: str = "val_loss",
+    ylabel: str = "cross-entropy (nats/token)",
+) -> None:
+    """Train and validation loss against the update step, as a PNG (matplotlib, Agg).
+
+    ``train_key`` is read from the ``"train"`` rows and ``eval_key`` from the ``"eval"`` rows
+    (a reward, say, with its ``ylabel``); rows without a number there are left out."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; must precede pyplot's import
     import matplotlib.pyplot as plt
 
     rows = list(rows)
-    train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
-    val = [(r["step"], r["val_loss"]) for r in rows if r.get("kind") == "eval"]
+    series = lambda kind, key: [
+        (r["step"], r[key])
+        for r in rows
+        if r.get("kind") == kind and isinstance(r.get(key), (int, float))
+    ]
+    train, val = series("train", train_key), series("eval", eval_key)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     if train:
         ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation", linewidth=1.5)
     ax.set_xlabel("update step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

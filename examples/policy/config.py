@@ -1,0 +1,210 @@
+"""The flags ``examples.dpo`` and ``examples.grpo`` share, and ``PolicyConfig``, the frozen run
+configuration each program's own configuration extends.
+
+Flags fall in two groups, as ``examples.finetune``'s do. *Session* flags (``SESSION_FLAGS``)
+only control this process (where the run is, when to stop, where the adapter goes, how to
+meet the other processes) and may change between sessions of one run. Every other flag is
+the *run's*: stored in its config.json, and a resumed run refuses a command line that
+contradicts them. The base's and the data's places (``PLACES``) are the run's by content
+(their digests), not by path: a resumed run may find them elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+
+import rudax.layers as rl
+import rudax.models as rm
+import rudax.run as rr
+
+SESSION_FLAGS = (
+    "resume",
+    "stop_at",
+    "export",
+    "name",
+    "runs_dir",
+    "run_dir",
+    "remat",
+    "tensorboard",
+    # rudax.run.add_distributed_flags': where this session's processes meet
+    "coordinator",
+    "num_processes",
+    "process_id",
+    "distributed_timeout",
+    "heartbeat_timeout",
+)
+PLACES = ("base", "data", "val_data")
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def build_parser(
+    program: str, description: str, *, steps: int, lr: float, batch_size: int, dropout: bool
+) -> argparse.ArgumentParser:
+    """The flags both programs take, grouped as ``--help`` shows them; a program adds its own
+    group. ``steps``, ``lr`` and ``batch_size`` are the program's defaults; ``dropout``
+    whether it offers ``--dropout`` (GRPO does not: its sampler and its trainer must compute
+    one function, TRL's ``disable_dropout``)."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m {program}",
+        usage="%(prog)s --base DIR --data FILE [flags]  (--help lists them)",
+        description=description,
+        formatter_class=rr.HelpFormatter,
+        allow_abbrev=False,
+    )
+    run = p.add_argument_group("run (session flags)")
+    run.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
+    run.add_argument("--name", help="run directory name (default: <program>-<timestamp>)")
+    run.add_argument("--run-dir", help="the run directory itself (overrides --runs-dir/--name)")
+    run.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
+    run.add_argument("--stop-at", type=int, help="stop after this update, as an interruption would")
+    run.add_argument("--export", help="the PEFT adapter's directory (default: RUN/adapter)")
+    run.add_argument(
+        "--tensorboard", action="store_true", help="also TensorBoard events in RUN/tensorboard"
+    )
+    base = p.add_argument_group("base and data (run flags)")
+    base.add_argument("--base", help="the Hugging Face directory of the policy's base (required)")
+    base.add_argument("--data", help="training JSONL (required)")
+    base.add_argument("--val-data", help="held-out JSONL, evaluated every --eval-every updates")
+    base.add_argument("--seed", type=int, default=0, help="adapter init, data order, sampling")
+    model = p.add_argument_group("policy (run flags)")
+    model.add_argument("--quantize", choices=("nf4", "none"), default="nf4", help="the base")
+    model.add_argument(
+        "--absmax-rounding",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="with --quantize nf4: bitsandbytes' CUDA or CPU rounding of the 8-bit absmax codes",
+    )
+    model.add_argument(
+        "--param-dtype", choices=sorted(DTYPES), default="bfloat16", help="unquantized storage"
+    )
+    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
+    model.add_argument(
+        "--remat",
+        choices=rl.REMAT_POLICIES,
+        default="none",
+        help="activation checkpointing of each block (may change on --resume)",
+    )
+    model.add_argument(
+        "--targets",
+        type=lambda s: [t.strip() for t in s.split(",")],
+        default=list(rm.PROJECTIONS),
+        help="comma-separated module names to adapt (peft's target_modules)",
+    )
+    model.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    model.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha/rank)")
+    if dropout:
+        model.add_argument(
+            "--dropout",
+            type=float,
+            default=0.0,
+            help="dropout on adapter inputs (TRL disables dropout by default)",
+        )
+    else:
+        p.set_defaults(dropout=0.0)
+    model.add_argument(
+        "--mesh",
+        type=rr.mesh_flag,
+        help="spread each step over devices, e.g. data=2,fsdp=4 (all processes' devices)",
+    )
+    opt = p.add_argument_group("optimizer and loop (run flags)")
+    opt.add_argument("--steps", type=int, default=steps, help="optimizer updates")
+    opt.add_argument("--batch-size", type=int, default=batch_size, help="rows per microbatch")
+    opt.add_argument("--grad-accum", type=int, default=1, help="microbatches per update")
+    opt.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
+    opt.add_argument("--warmup", type=int, default=0, help="linear warmup updates")
+    opt.add_argument("--min-lr-ratio", type=float, default=1.0, help="cosine's end / peak")
+    opt.add_argument("--clip", type=float, default=1.0, help="global gradient norm")
+    opt.add_argument("--eval-every", type=int, default=10, help="updates per evaluation")
+    opt.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
+    opt.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    rr.add_distributed_flags(p)
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """The flags both programs share, typed (see ``--help``); a program's configuration
+    subclasses it with its own fields and ``PARSER``."""
+
+    PARSER: ClassVar[Any] = None  # the program's build_parser
+    PROGRAM: ClassVar[str] = ""  # "examples.dpo"
+    # session
+    runs_dir: str
+    name: str | None
+    run_dir: str | None
+    resume: bool
+    stop_at: int | None
+    export: str | None
+    tensorboard: bool
+    # base and data
+    base: str | None
+    data: str | None
+    val_data: str | None
+    seed: int
+    # policy
+    quantize: str
+    absmax_rounding: str
+    param_dtype: str
+    dtype: str
+    remat: str
+    targets: list[str]
+    rank: int
+    alpha: float
+    dropout: float
+    mesh: dict[str, int] | None
+    # optimizer and loop
+    steps: int
+    batch_size: int
+    grad_accum: int
+    lr: float
+    warmup: int
+    min_lr_ratio: float
+    clip: float
+    eval_every: int
+    checkpoint_every: int
+    keep: int
+    # where this session's processes meet (rudax.run.add_distributed_flags)
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    distributed_timeout: int
+    heartbeat_timeout: int
+
+    @classmethod
+    def from_flags(cls, flags: argparse.Namespace | dict[str, Any]) -> Any:
+        """The configuration of parsed flags (or of a run's saved ones, a dict)."""
+        values = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def defaults(cls) -> Any:
+        """Every flag at its default."""
+        return cls.from_flags(cls.PARSER().parse_args([]))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flags as a JSON-able dict (config.json's)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def run_flags(self) -> dict[str, Any]:
+        """The flags that make the run what it is: neither a session's nor a place."""
+        return {k: v for k, v in self.as_dict().items() if k not in SESSION_FLAGS + PLACES}
+
+    def resumed(self, saved: dict[str, Any], given: set[str]) -> Any:
+        """--resume: the run's flags (``saved``, its config.json), with this session's flags
+        and the places given on this command line on top. A flag ``given`` here that
+        contradicts the run is a ValueError naming it and both values."""
+        conflicts = [
+            f"--{k.replace('_', '-')} {getattr(self, k)!r} (the run has {saved.get(k)!r})"
+            for k in sorted(given)
+            if k not in SESSION_FLAGS + PLACES and k in saved and saved[k] != getattr(self, k)
+        ]
+        if conflicts:
+            raise ValueError("--resume: flags differ from the run's: " + "; ".join(conflicts))
+        merged = {k: saved.get(k, v) for k, v in self.defaults().as_dict().items()}
+        merged |= {k: getattr(self, k) for k in SESSION_FLAGS}
+        merged |= {k: getattr(self, k) for k in PLACES if k in given}
+        return self.from_flags(merged)
