@@ -107,7 +107,7 @@ def test_junit_counts(tmp_path):
 def test_default_stages_fit_eight_minutes_and_name_what_exists():
     stages = gpu_check.default_stages()
     names = ["env", "tests", "attention", "kernels", "trainer", "determinism", "embedding", "remat"]
-    names += ["finetune_mesh", "shared_prefix"]
+    names += ["finetune_mesh", "shared_prefix", "post_train"]
     assert [s.name for s in stages] == names
     assert sum(s.budget_s for s in stages) <= 8 * 60
     script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
