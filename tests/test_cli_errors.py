@@ -6,7 +6,9 @@ import io
 
 import pytest
 
+from examples.dpo.train import main as dpo
 from examples.finetune.train import main as finetune
+from examples.grpo.train import main as grpo
 from examples.lm.plan import main as plan
 from examples.lm.train import main as train
 
@@ -17,8 +19,10 @@ from examples.lm.train import main as train
         (train, ["--lr", "x"], "python -m examples.lm.train: error: argument --lr: expected"),
         (finetune, ["--rank", "x"], "python -m examples.finetune: error: argument --rank"),
         (plan, ["--headroom", "2"], "python -m examples.lm.plan: error: argument --headroom"),
+        (dpo, ["--beta", "x"], "python -m examples.dpo: error: argument --beta"),
+        (grpo, ["--num-samples", "x"], "python -m examples.grpo: error: argument --num-samples"),
     ],
-    ids=["train", "finetune", "plan"],
+    ids=["train", "finetune", "plan", "dpo", "grpo"],
 )
 def test_an_error_follows_one_line_of_usage(main, argv, error):
     err = io.StringIO()

@@ -114,30 +114,22 @@ def dpo(config: DPOConfig, given: set[str] | None = None) -> dict[str, Any]:
 
     # ----------------------------------------------------------------------------- loop
     last: dict[str, Any] = {"train": None, "eval": None}
-    with rr.Interruptions() as interrupt:
-        try:
-            if session.step == 0:
-                last["eval"] = evaluate(0)
-            stop = False
-            while not stop and session.step < config.steps:
-                step = session.step + 1
-                batches = [
-                    train.batch((step - 1) * config.grad_accum + a, config.batch_size, config.seed)
-                    for a in range(config.grad_accum)
-                ]
-                metrics, norm = session.update(batches)
-                means = _means(metrics)
-                rr.check_loss(means["loss"], step=step, latest=session.checkpointer.latest_step)
-                lr = float(session.schedule(step - 1))
-                session.log.write(kind="train", step=step, lr=lr, grad_norm=norm, **means)
-                last["train"] = means
-                if step % config.eval_every == 0 or step == config.steps:
-                    last["eval"] = evaluate(step) or last["eval"]
-                stop = session.end_update(step, interrupt)
-        except BaseException:
-            session.log.close()
-            session.checkpointer.close()
-            raise
+    with session.running() as interrupt:
+        if session.step == 0:
+            last["eval"] = evaluate(0)
+        stop = False
+        while not stop and session.step < config.steps:
+            step = session.step + 1
+            batches = [
+                train.batch((step - 1) * config.grad_accum + a, config.batch_size, config.seed)
+                for a in range(config.grad_accum)
+            ]
+            metrics, norm = session.update(batches)
+            last["train"] = means = _means(metrics)
+            session.log_update(step, norm, means)
+            if step % config.eval_every == 0 or step == config.steps:
+                last["eval"] = evaluate(step) or last["eval"]
+            stop = session.end_update(step, interrupt)
 
     # ----------------------------------------------------------------------------- output
     plots = {

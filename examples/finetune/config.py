@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 
@@ -163,8 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclasses.dataclass(frozen=True)
-class FinetuneConfig:
+class FinetuneConfig(rr.RunConfig):
     """A run's configuration: every flag of ``build_parser``, typed (see ``--help``)."""
+
+    PARSER = build_parser
+    SESSION_FLAGS = SESSION_FLAGS
+    PLACES = PLACES
 
     # session
     runs_dir: str
@@ -213,35 +216,3 @@ class FinetuneConfig:
     process_id: int | None
     distributed_timeout: int
     heartbeat_timeout: int
-
-    @classmethod
-    def from_flags(cls, flags: argparse.Namespace | dict[str, Any]) -> FinetuneConfig:
-        """The configuration of parsed flags (or of a run's saved ones, a dict)."""
-        values = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
-
-    @classmethod
-    def defaults(cls) -> FinetuneConfig:
-        """Every flag at its default."""
-        return cls.from_flags(build_parser().parse_args([]))
-
-    def as_dict(self) -> dict[str, Any]:
-        """The flags as a JSON-able dict (config.json's)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def resumed(self, saved: dict[str, Any], given: set[str]) -> FinetuneConfig:
-        """--resume: the run's flags (``saved``, its config.json), with this session's flags
-        and the places given on this command line on top. A flag ``given`` here that
-        contradicts the run is a ValueError naming it and both values."""
-        conflicts = [
-            f"--{k.replace('_', '-')} {getattr(self, k)!r} (the run has {saved.get(k)!r})"
-            for k in sorted(given)
-            if k not in SESSION_FLAGS + PLACES and k in saved and saved[k] != getattr(self, k)
-        ]
-        if conflicts:
-            raise ValueError("--resume: flags differ from the run's: " + "; ".join(conflicts))
-        defaults = FinetuneConfig.defaults().as_dict()
-        merged = {k: saved.get(k, v) for k, v in defaults.items()}
-        merged |= {k: getattr(self, k) for k in SESSION_FLAGS}
-        merged |= {k: getattr(self, k) for k in PLACES if k in given}
-        return FinetuneConfig.from_flags(merged)

@@ -86,8 +86,6 @@ from examples.finetune.config import (
     DEFAULT_BASE_RUN,
     DEFAULT_DATA,
     DTYPES,
-    PLACES,
-    SESSION_FLAGS,
     FinetuneConfig,
     build_parser,
 )
@@ -280,8 +278,7 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
     }
     # Where the base and the data are is not the run's (a resumed run may find them elsewhere,
     # or take the default base): their identities stand for them in the checkpoint.
-    run_config = {k: v for k, v in config.as_dict().items() if k not in SESSION_FLAGS + PLACES}
-    run_config |= identity
+    run_config = config.run_flags() | identity
     if config.resume:
         _check_identity(run_dir, identity)
     if primary:

@@ -182,31 +182,23 @@ def grpo(config: GRPOConfig, given: set[str] | None = None) -> dict[str, Any]:
 
     # ----------------------------------------------------------------------------- loop
     last: dict[str, Any] = {"train": None, "eval": None}
-    with rr.Interruptions() as interrupt:
-        try:
-            if session.step == 0:
-                last["eval"] = evaluate(0)
-            stop = False
-            while not stop and session.step < config.steps:
-                out, micro = generation(session.step // config.num_iterations)
-                for _ in range(config.num_iterations):
-                    step = session.step + 1
-                    metrics, norm = session.update(micro)
-                    row = _train_row(metrics, out)
-                    rr.check_loss(row["loss"], step=step, latest=session.checkpointer.latest_step)
-                    lr = float(session.schedule(step - 1))
-                    session.log.write(kind="train", step=step, lr=lr, grad_norm=norm, **row)
-                    last["train"] = row
-                    if step % config.eval_every == 0 or step == config.steps:
-                        last["eval"] = evaluate(step) or last["eval"]
-                    boundary = step % config.num_iterations == 0
-                    stop = session.end_update(step, interrupt, boundary=boundary)
-                    if stop:
-                        break
-        except BaseException:
-            session.log.close()
-            session.checkpointer.close()
-            raise
+    with session.running() as interrupt:
+        if session.step == 0:
+            last["eval"] = evaluate(0)
+        stop = False
+        while not stop and session.step < config.steps:
+            out, micro = generation(session.step // config.num_iterations)
+            for _ in range(config.num_iterations):
+                step = session.step + 1
+                metrics, norm = session.update(micro)
+                last["train"] = row = _train_row(metrics, out)
+                session.log_update(step, norm, row)
+                if step % config.eval_every == 0 or step == config.steps:
+                    last["eval"] = evaluate(step) or last["eval"]
+                boundary = step % config.num_iterations == 0
+                stop = session.end_update(step, interrupt, boundary=boundary)
+                if stop:
+                    break
 
     # ----------------------------------------------------------------------------- output
     plots = {

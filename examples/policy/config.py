@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -126,12 +126,13 @@ def build_parser(
 
 
 @dataclasses.dataclass(frozen=True)
-class PolicyConfig:
+class PolicyConfig(rr.RunConfig):
     """The flags both programs share, typed (see ``--help``); a program's configuration
-    subclasses it with its own fields and ``PARSER``."""
+    subclasses it with its own fields, ``PARSER`` and ``PROGRAM``."""
 
-    PARSER: ClassVar[Any] = None  # the program's build_parser
     PROGRAM: ClassVar[str] = ""  # "examples.dpo"
+    SESSION_FLAGS = SESSION_FLAGS
+    PLACES = PLACES
     # session
     runs_dir: str
     name: str | None
@@ -173,38 +174,3 @@ class PolicyConfig:
     process_id: int | None
     distributed_timeout: int
     heartbeat_timeout: int
-
-    @classmethod
-    def from_flags(cls, flags: argparse.Namespace | dict[str, Any]) -> Any:
-        """The configuration of parsed flags (or of a run's saved ones, a dict)."""
-        values = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
-
-    @classmethod
-    def defaults(cls) -> Any:
-        """Every flag at its default."""
-        return cls.from_flags(cls.PARSER().parse_args([]))
-
-    def as_dict(self) -> dict[str, Any]:
-        """The flags as a JSON-able dict (config.json's)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def run_flags(self) -> dict[str, Any]:
-        """The flags that make the run what it is: neither a session's nor a place."""
-        return {k: v for k, v in self.as_dict().items() if k not in SESSION_FLAGS + PLACES}
-
-    def resumed(self, saved: dict[str, Any], given: set[str]) -> Any:
-        """--resume: the run's flags (``saved``, its config.json), with this session's flags
-        and the places given on this command line on top. A flag ``given`` here that
-        contradicts the run is a ValueError naming it and both values."""
-        conflicts = [
-            f"--{k.replace('_', '-')} {getattr(self, k)!r} (the run has {saved.get(k)!r})"
-            for k in sorted(given)
-            if k not in SESSION_FLAGS + PLACES and k in saved and saved[k] != getattr(self, k)
-        ]
-        if conflicts:
-            raise ValueError("--resume: flags differ from the run's: " + "; ".join(conflicts))
-        merged = {k: saved.get(k, v) for k, v in self.defaults().as_dict().items()}
-        merged |= {k: getattr(self, k) for k in SESSION_FLAGS}
-        merged |= {k: getattr(self, k) for k in PLACES if k in given}
-        return self.from_flags(merged)

@@ -7,11 +7,12 @@ and data, and restored its checkpoint. A refused start leaves the run directory 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +292,26 @@ class Session:
             self.steps.evaluate(self.adapters, self.rngs, self.base, self._put(b)) for b in batches
         ]
         return _sum(jax.device_get(ms))
+
+    def log_update(self, step: int, grad_norm: float, row: dict[str, float]) -> None:
+        """Logs update ``step``'s ``row`` (its ``loss`` first checked finite: a run that
+        diverged stops, naming the update) with the learning rate it used."""
+        rr.check_loss(row["loss"], step=step, latest=self.checkpointer.latest_step)
+        lr = float(self.schedule(step - 1))
+        self.log.write(kind="train", step=step, lr=lr, grad_norm=grad_norm, **row)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[rr.Interruptions]:
+        """The loop's context: Ctrl-C and SIGTERM become a request ``end_update`` answers
+        after the update in flight; a loop that raises closes the log and the checkpoints
+        (the ones written stay)."""
+        with rr.Interruptions() as interrupt:
+            try:
+                yield interrupt
+            except BaseException:
+                self.log.close()
+                self.checkpointer.close()
+                raise
 
     def end_update(self, step: int, interrupt: rr.Interruptions, *, boundary: bool = True) -> bool:
         """After update ``step``: checkpoints it if due (every ``--checkpoint-every``, the

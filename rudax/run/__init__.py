@@ -10,8 +10,10 @@ of faulting it in again each step (``MALLOC_ENV``: the same for a child process)
 ``run_program`` ends a program's ``main`` the same in every program (exit statuses 2, 1,
 128 + signal; a ``UsageError`` is a bad flag), ``HelpFormatter`` shows the flags' defaults
 and ``given_flags`` tells the flags typed from defaults (a resumed run keeps its own).
-``Interruptions`` turns Ctrl-C and a preemption's SIGTERM into a request the loop answers
-after its current update: save, then stop as ``--stop-at`` does (agreed by every process).
+``RunConfig`` is a program's frozen run configuration from its flags, a resumed run's own
+flags with the session's on top. ``Interruptions`` turns Ctrl-C and a preemption's SIGTERM
+into a request the loop answers after its current update: save, then stop as ``--stop-at``
+does (agreed by every process).
 ``open_checkpoints`` opens a run's checkpoints for a session's saves and ``restore_latest``
 restores one on ``--resume``, a damaged or foreign checkpoint a ``UsageError`` saying what to do.
 
@@ -28,6 +30,7 @@ from rudax.run._cli import HelpFormatter as HelpFormatter
 from rudax.run._cli import UsageError as UsageError
 from rudax.run._cli import given_flags as given_flags
 from rudax.run._cli import mesh_flag as mesh_flag
+from rudax.run._config import RunConfig as RunConfig
 from rudax.run._distributed import DistributedError as DistributedError
 from rudax.run._distributed import add_distributed_flags as add_distributed_flags
 from rudax.run._distributed import fail_fast as fail_fast
@@ -52,6 +55,7 @@ __all__ = [
     "HelpFormatter",
     "Interruptions",
     "MetricsLog",
+    "RunConfig",
     "TrainingHalted",
     "UsageError",
     "add_distributed_flags",

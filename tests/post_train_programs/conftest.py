@@ -37,3 +37,22 @@ def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
     rows = [{"prompt": r["prompt"], "answer": r["completion"]} for r in examples(40, seed=1)]
     root = tmp_path_factory.mktemp("prompts")
     return write_jsonl(root / "train.jsonl", rows[:32]), write_jsonl(root / "val.jsonl", rows[32:])
+
+
+@pytest.fixture(scope="session")
+def chat_base(base_dir, tmp_path_factory) -> Path:
+    """``base_dir`` with a chat template of its own (``chat_template.jinja``); never modify."""
+    import json
+    import shutil
+
+    from examples.lm.tokenizer import EOT
+
+    base = tmp_path_factory.mktemp("chat") / "hf"
+    shutil.copytree(base_dir, base)
+    (base / "chat_template.jinja").write_text(
+        "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+    )
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOT}))
+    return base

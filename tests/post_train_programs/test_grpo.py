@@ -175,3 +175,24 @@ def test_prompts_are_checked_by_file_and_line(base_dir, prompt_files, tmp_path, 
         main(flags(base_dir, (no_answer, prompt_files[1]), tmp_path / "run"))
     assert "--reward exact_match reads each row's 'answer'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_chat_prompts_are_sampled_after_the_bases_own_template(chat_base, prompt_files, tmp_path):
+    from examples.grpo.data import PromptData
+    from rudax.models import load_tokenizer
+
+    records = [json.loads(line) for line in prompt_files[0].read_text().splitlines()]
+    chats = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+             for r in records]  # fmt: skip
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chats))
+    tok = load_tokenizer(chat_base)
+    prompts = PromptData(data, tok, positions=64, max_new_tokens=8)
+    text = tok.chat.render(chats[0]["prompt"], add_generation_prompt=True)
+    assert text.endswith("### assistant:\n")
+    assert prompts.prompts[0] == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    run_dir = tmp_path / "run"
+    args = flags(chat_base, (data, data), run_dir, "--steps", "2", "--eval-every", "2")
+    main(args)
+    assert [r["step"] for r in rows(run_dir)] == [1, 2]
+    assert all(r["logprob_error"] < 1e-4 for r in rows(run_dir))
