@@ -46,6 +46,16 @@ FINETUNE = [
     *("--sample-tokens", "4"),
 ]
 FINETUNE_SCALED = {"--stop-at": "1"}
+# Two updates of the post-training programs (their held-out sets answered before and after).
+POST_TRAIN = {
+    "examples.grpo": [
+        *("--steps", "2", "--eval-every", "2", "--checkpoint-every", "2"),
+        *("--batch-size", "2", "--num-samples", "2"),
+    ],
+    "examples.dpo": [
+        *("--steps", "2", "--eval-every", "2", "--checkpoint-every", "2", "--batch-size", "4"),
+    ],
+}
 
 
 def readme_commands() -> list[list[str]]:
@@ -82,6 +92,8 @@ def _shortened(command: list[str]) -> list[str]:
         scaled = LM_SCALED
     elif "examples.finetune" in command:
         extra, scaled = FINETUNE, FINETUNE_SCALED
+    elif command[:2] == ["python", "-m"] and command[2] in POST_TRAIN:
+        extra, scaled = POST_TRAIN[command[2]], {}
     else:
         return command
     for flag, value in scaled.items():
@@ -134,3 +146,4 @@ def test_readme_commands_run_in_order_as_written(tmp_path):
         ran.append(shlex.join(command))
     print("\n".join(f"{s:6.1f} s  {c}" for s, c in timings))
     assert any("--resume-step" in c for c in ran) and any("rudax.run.launch" in c for c in ran)
+    assert any("examples.grpo" in c for c in ran) and any("examples.dpo" in c for c in ran)
