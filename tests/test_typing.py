@@ -24,8 +24,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # report fewer errors than there are.
 SOURCES = sorted((ROOT / "rudax").rglob("*.py"))
 
-pytestmark = pytest.mark.slow  # each check analyzes the whole package: tens of seconds
-
 
 def run(args: list[str]) -> subprocess.CompletedProcess:
     # pyright's pip wrapper uses its bundled pyright, and with --outputjson asks PyPI for no

@@ -148,6 +148,7 @@ def test_embedding_stage_runs_here_at_a_tiny_size(tmp_path):
     assert "sorted:" in "\n".join(gpu_check._embedding(results))
 
 
+@pytest.mark.slow  # benchmarks.remat's own test runs it; this, the stage's arguments
 def test_remat_stage_runs_here_at_a_tiny_size(tmp_path):
     from benchmarks import remat
 

@@ -11,7 +11,10 @@ from benchmarks import load as bench
 _RUNTIME_SLACK = 16 * 2**20
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
+@pytest.mark.parametrize(
+    "quantize",
+    [pytest.param("none", marks=pytest.mark.slow), "nf4"],  # nf4 reads more kinds
+)
 def test_sharded_load_stays_within_each_process_share(tmp_path, quantize, capsys):
     argv = ["--dir", str(tmp_path / "ckpt"), "--vocab", "8192", "--hidden", "512"]
     argv += ["--intermediate", "1792", "--heads", "8", "--kv-heads", "2"]

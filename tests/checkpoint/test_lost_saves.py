@@ -266,7 +266,6 @@ def _holder(directory):
     return child
 
 
-@pytest.mark.slow
 def test_the_lock_holds_across_processes_and_is_released_on_close_and_on_death(tmp_path):
     closing, dying = tmp_path / "closing", tmp_path / "dying"
     holders = {closing: _holder(closing), dying: _holder(dying)}

@@ -42,7 +42,6 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-@pytest.mark.slow
 def test_an_empty_rudax_folder_in_the_working_directory(tmp_path):
     (tmp_path / "rudax").mkdir()
     probe = _run(tmp_path, "import rudax; print(getattr(rudax, '__file__', None))", None)

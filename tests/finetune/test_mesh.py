@@ -56,7 +56,11 @@ def _assert_close(got: list[dict], want: list[dict], rtol: float) -> None:
         assert g.get("counted_tokens") == w.get("counted_tokens")
 
 
-@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=4", "fsdp=8"])
+@pytest.mark.parametrize(
+    "mesh",  # both axes in CI, each alone behind -m slow
+    [pytest.param("data=8", marks=pytest.mark.slow), "data=2,fsdp=4",
+     pytest.param("fsdp=8", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_a_mesh_trains_the_one_device_losses(base_dir, data_files, tmp_path, one_device, mesh):
     want_out, want = one_device
     out = main(_flags(base_dir, data_files, tmp_path / "run", "--mesh", mesh))
@@ -104,6 +108,7 @@ def test_two_processes_fsdp_then_resumed_on_one(base_dir, data_files, tmp_path, 
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow  # the FSDP processes' test below samples and saves over processes too
 def test_two_data_parallel_processes_sample_and_save_after_training(base_dir, data_files, tmp_path):
     # process 0 alone generates the samples and writes the adapter, from its own copy of the
     # replicated adapters

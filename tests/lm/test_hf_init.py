@@ -38,7 +38,6 @@ def _fails(argv, capsys):
     return err
 
 
-@pytest.mark.slow
 def test_a_run_from_an_hf_directory_trains_on_its_weights_and_resumes(exported, data, tmp_path):
     summary, hf_dir = exported
     src = _evals(summary)

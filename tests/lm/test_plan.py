@@ -57,12 +57,13 @@ def _close(planned: int, measured: int) -> bool:
 @pytest.mark.parametrize(
     "flags",
     [
-        "--mesh data=8",
-        "--mesh fsdp=8",
+        # two in CI (FSDP; scan + remat), the others behind -m slow
+        pytest.param("--mesh data=8", marks=pytest.mark.slow),
+        pytest.param("--mesh fsdp=8", marks=pytest.mark.slow),
         "--mesh data=2,fsdp=4",
         "--mesh data=2,fsdp=4 --scan-layers --remat full",
-        "--mesh data=8 --scan-layers --remat full",
-        "--mesh data=8 --scan-layers --remat dots_saveable",
+        pytest.param("--mesh data=8 --scan-layers --remat full", marks=pytest.mark.slow),
+        pytest.param("--mesh data=8 --scan-layers --remat dots_saveable", marks=pytest.mark.slow),
     ],
 )
 def test_pretraining_plan_agrees_with_xla(flags):
@@ -105,7 +106,7 @@ def test_pretraining_plan_agrees_with_xla(flags):
     assert all(_close(planned[k], measured[k]) for k in planned), (planned, measured)
 
 
-@pytest.mark.parametrize("finetune", ["qlora", "lora"])
+@pytest.mark.parametrize("finetune", ["qlora", pytest.param("lora", marks=pytest.mark.slow)])
 def test_finetuning_plan_agrees_with_xla(tmp_path, finetune):
     config = rm.LlamaConfig.tiny(512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, tie_word_embeddings=False,

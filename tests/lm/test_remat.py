@@ -51,7 +51,10 @@ def _bits(tree):
     ]
 
 
-@pytest.mark.parametrize("base", [CONFIG, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "base",  # a Mixtral's blocks remat as a dense model's do: it behind -m slow
+    [pytest.param(CONFIG, id="dense"), pytest.param(MOE, id="moe", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("policy", [p for p in rl.REMAT_POLICIES if p != "none"])
 def test_gradients_equal_the_plain_ones_bitwise(base, policy):
     batch = jax.random.randint(jax.random.key(1), (2, 33), 0, base.config.vocab_size)

@@ -82,8 +82,18 @@ def _bits(tree):
     ]
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+FAST_VARIANTS = {("llama", "full"), ("moe", "none")}
+
+
+@pytest.mark.parametrize(
+    "name,remat",
+    [
+        # every model kind with and without remat: two in CI, the rest behind -m slow
+        pytest.param(n, r, id=f"{n}-{r}", marks=() if (n, r) in FAST_VARIANTS else pytest.mark.slow)
+        for n in CONFIGS
+        for r in ("none", "full")
+    ],
+)
 def test_the_loss_is_bitwise_and_the_gradients_within_rounding(name, remat):
     base = dataclasses.replace(CONFIGS[name], remat=remat)
     batch = jax.random.randint(jax.random.key(1), (2, 33), 0, base.config.vocab_size)

@@ -63,7 +63,6 @@ def source(request, data, tmp_path_factory):
     return summary, flags
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["muon", "adamw", "fused_adamw"])
 def test_init_from_keeps_the_source_runs_validation_loss(source, optimizer, tmp_path):
     summary, flags = source
@@ -100,7 +99,6 @@ def _corrupt_batches_from(monkeypatch, first):
     monkeypatch.setattr(TokenLoader, "batch", batch)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["muon", "fused_adamw"])
 def test_a_nonfinite_loss_stops_the_run_and_keeps_the_good_checkpoints(
     data, optimizer, tmp_path, monkeypatch, capsys
@@ -143,7 +141,6 @@ def _poison_gradients(monkeypatch, bad_updates):
     monkeypatch.setattr(rs, "make_train_steps", make_steps)
 
 
-@pytest.mark.slow
 def test_nonfinite_parameters_are_never_checkpointed(data, tmp_path, monkeypatch, capsys):
     # Muon has no skip: update 3's NaN gradients make every weight NaN, while update 3's
     # loss, computed before the update, is finite. Update 3 is a checkpoint step.
@@ -158,7 +155,6 @@ def test_nonfinite_parameters_are_never_checkpointed(data, tmp_path, monkeypatch
     assert _steps(run_dir) == []  # before the fix: NaN weights at 3, 6 and 8
 
 
-@pytest.mark.slow
 def test_consecutive_skipped_updates_stop_the_run(data, tmp_path, monkeypatch, capsys):
     _poison_gradients(monkeypatch, bad_updates=set(range(3, 100)))
     run_dir = tmp_path / "run"
@@ -169,7 +165,6 @@ def test_consecutive_skipped_updates_stop_the_run(data, tmp_path, monkeypatch, c
     assert _steps(run_dir) == [3] and _all_finite(run_dir, 3)
 
 
-@pytest.mark.slow
 def test_isolated_skipped_updates_are_reported_and_the_run_goes_on(
     data, tmp_path, monkeypatch, capsys
 ):
@@ -222,7 +217,6 @@ def _damage(run_dir, step):
         f.truncate(os.path.getsize(path) // 2)
 
 
-@pytest.mark.slow
 def test_resume_from_a_damaged_latest_checkpoint_names_the_intact_steps(data, tmp_path, capsys):
     run_dir = tmp_path / "run"
     flags = [*data, *TINY, "--optimizer", "adamw", "--run-dir", str(run_dir)]

@@ -213,7 +213,10 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    "variant",  # LoRA's adapters are QLoRA's over another base: it behind -m slow
+    [pytest.param(v, marks=pytest.mark.slow) if v == "lora" else v for v in VARIANTS],
+)
 def test_samples_of_every_model_kind_share_the_prompt(variant):
     model = VARIANTS[variant]()
     one = generate(model, PROMPTS[:2], 8, stop_tokens=[])

@@ -115,7 +115,9 @@ def test_untrained_adapters_give_log_2_per_pair_and_a_gradient():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-@pytest.mark.parametrize("spec", [{"data": 8}, {"data": 4, "fsdp": 2}])
+@pytest.mark.parametrize(
+    "spec", [pytest.param({"data": 8}, marks=pytest.mark.slow), {"data": 4, "fsdp": 2}]
+)
 def test_rows_split_over_a_mesh_give_the_one_device_update(spec):
     """make_train_steps sums each device's pairs: the update over a mesh is the one-device
     update, the pairs counted once."""
