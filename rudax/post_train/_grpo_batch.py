@@ -44,7 +44,8 @@ def grpo_loss_sum(
     * ``completion``: ``pack_shared_prefix``'s (which completion each position scores, -1
       where none);
     * ``advantages``: float, at each scored position its completion's advantage
-      (``group_advantages``, spread over the completion's tokens), anything elsewhere;
+      (``group_advantages``, spread over the completion's tokens), anything elsewhere; a NaN
+      or infinite one makes the loss NaN (never trained on as 0);
     * ``old_logps`` (optional): float, the sampling policy's log-probs of the tokens
       (``generate(..., return_logprobs=True)``'s, or the policy's before this generation
       batch's first update), anything where nothing is scored. Absent: the current policy's
@@ -121,12 +122,22 @@ def grpo_loss_sum(
     num = per_row * len(index)
     counted = index >= 0
     # Each completion's advantage: every one of its positions holds it; max reads it exactly.
+    given = per_token_inputs["advantages"]
+    segments = jnp.where(counted, index, num).reshape(-1)
     advantages = jax.ops.segment_max(
-        jnp.where(counted, per_token_inputs["advantages"], -jnp.inf).reshape(-1),
-        jnp.where(counted, index, num).reshape(-1),
+        jnp.where(counted & jnp.isfinite(given), given, -jnp.inf).reshape(-1),
+        segments,
         num_segments=num,
     )
-    advantages = jnp.where(jnp.isfinite(advantages), advantages, 0)  # empty slots
+    # A NaN or infinite advantage is not trained on as 0: it makes the loss NaN, which a
+    # run's loss check stops at. Empty slots (no tokens) hold 0.
+    finite = jax.ops.segment_min(
+        jnp.where(counted, jnp.isfinite(given), True).astype(jnp.int32).reshape(-1),
+        segments,
+        num_segments=num,
+    )
+    empty = completion_token_counts(index, num) == 0
+    advantages = jnp.where(empty, 0.0, jnp.where(finite > 0, advantages, jnp.nan))
     scored = {k: v for k, v in batch.items() if k not in ("completion", "advantages", "old_logps")}
     logps = lambda: causal_lm_token_logprobs(model, scored, temperature=temperature, chunk=chunk)
     policy = logps()

@@ -134,6 +134,19 @@ def test_without_old_logps_the_ratio_is_one_and_equal_rewards_give_zero():
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_advantage_makes_the_loss_nan_not_zero(bad):
+    """A NaN or infinite advantage (a reward bug upstream) is not trained on as 0: the loss is
+    NaN, which a run's loss check stops at. The empty slots of a row still hold 0."""
+    _, policy = base_and_policy(("q_proj", "v_proj"), seed=3)
+    batch = _packed(_groups(2, 3, seed=4), row_length=64)  # room for empty slots
+    good = float(grpo_loss_sum(policy, batch, loss_type="dapo")[0])
+    assert np.isfinite(good)
+    first = batch["completion"] == batch["completion"][batch["completion"] >= 0].min()
+    batch["advantages"] = np.where(first, np.float32(bad), batch["advantages"])
+    assert np.isnan(float(grpo_loss_sum(policy, batch, loss_type="dapo")[0]))
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 @pytest.mark.parametrize(
     ("spec", "loss_type"), [({"data": 8}, "dapo"), ({"data": 4, "fsdp": 2}, "grpo")]
