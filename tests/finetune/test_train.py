@@ -246,6 +246,7 @@ def _readme_resume_commands() -> list[list[str]]:
     return [c[3:] for c in commands]
 
 
+@pytest.mark.slow  # tests/test_readme_commands.py runs these commands (with fewer updates)
 def test_readme_stop_and_resume_with_the_default_base(data_files, tmp_path_factory, monkeypatch):
     # As the README runs it: no --base (hf/base) and no --data (data/instructions), both
     # relative to the working directory, and the program's default flags.

@@ -80,7 +80,7 @@ def _ratios(argv: list[str]) -> dict[str, float]:
     [
         "--finetune qlora",  # the user's case: dropout 0.05 on every adapter, layers unrolled
         "--finetune qlora --scan-layers --dropout 0",
-        "--finetune lora",
+        pytest.param("--finetune lora", marks=pytest.mark.slow),  # QLoRA's, unquantized
     ],
 )
 def test_finetuning_plan_agrees_with_xla_on_real_shapes(smollm, flags):
@@ -93,7 +93,7 @@ def test_finetuning_plan_agrees_with_xla_on_real_shapes(smollm, flags):
     "flags",
     [
         "--batch-size 4",  # one device
-        "--batch-size 16 --mesh data=8",
+        pytest.param("--batch-size 16 --mesh data=8", marks=pytest.mark.slow),  # and scanned:
         "--batch-size 16 --mesh data=8 --scan-layers --remat full",
     ],
 )
