@@ -24,6 +24,7 @@ import rudax.models as rm
 import rudax.post_train as rp
 from examples.policy.jsonl import read_rows, sha256
 from examples.policy.order import batch_indices
+from examples.policy.rows import pad_rows
 
 Pair = tuple[list[int], list[int], list[int]]
 
@@ -99,8 +100,4 @@ class PreferenceData:
         for prompt, chosen, rejected in pairs:
             packed = rm.pack_shared_prefix([(prompt, [chosen, rejected])], row_length=self.seq_len)
             parts.append({**packed.batch(), "completion": packed.completion})
-        empty = {k: np.zeros_like(v) for k, v in parts[0].items()}
-        empty["labels"] = np.full_like(parts[0]["labels"], rp.IGNORE_INDEX)
-        empty["completion"] = np.full_like(parts[0]["completion"], -1)
-        parts += [empty] * (batch_size - len(parts))
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return pad_rows({k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, batch_size)

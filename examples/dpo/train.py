@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import rudax.post_train as rp
 import rudax.run as rr
 from examples.dpo.config import DPOConfig, build_parser
 from examples.dpo.data import PreferenceData
-from examples.policy.jsonl import DataError
 from examples.policy.session import Session
 from rudax.run import UsageError
 
@@ -62,26 +60,19 @@ def dpo(config: DPOConfig, given: set[str] | None = None) -> dict[str, Any]:
         raise UsageError(f"--label-smoothing must be in [0, 0.5), got {config.label_smoothing}")
 
     # ----------------------------------------------------------------------------- data
-    try:
-        read = lambda path: PreferenceData(
-            Path(path),
+    train, val, identity = session.read_data(
+        lambda path: PreferenceData(
+            path,
             session.tokenizer,
             seq_len=config.seq_len,
             positions=session.positions,
             too_long=config.too_long,
         )
-        train = read(config.data)
-        val = None if config.val_data is None else read(config.val_data)
-    except (DataError, ValueError) as e:
-        raise UsageError(str(e)) from e
+    )
     for flag, data in (("--data", train), ("--val-data", val)):
         if data is not None and data.dropped:
             session.say(f"{flag} {data.path}: {data.dropped} pairs over --seq-len left out")
     val_batches = [] if val is None else val.eval_batches(config.batch_size)
-    identity = {
-        "data_identity": train.identity(),
-        "val_data_identity": None if val is None else val.identity(),
-    }
 
     # ----------------------------------------------------------------------------- policy
     def loss(model: Any, batch: Any) -> Any:

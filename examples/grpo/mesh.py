@@ -20,8 +20,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import rudax.models as rm
-import rudax.post_train as rp
 import rudax.sharding as rs
+from examples.policy.rows import pad_rows
 
 
 def mesh_score(session: Any, temperature: float) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
@@ -47,11 +47,7 @@ def mesh_score(session: Any, temperature: float) -> Callable[[dict[str, np.ndarr
     def score(batch: dict[str, np.ndarray]) -> np.ndarray:
         rows = len(batch["tokens"])
         padded = -(-rows // mesh.size) * mesh.size  # each device an equal share of rows
-        fill = {"labels": rp.IGNORE_INDEX}
-        whole = {
-            k: np.concatenate([v, np.full((padded - rows, *v.shape[1:]), fill.get(k, 0), v.dtype)])
-            for k, v in batch.items()
-        }
+        whole = pad_rows(batch, padded)
         placed = rs.put_batch(rs.local_rows(whole), mesh, padded)
         out = run(session.adapters, session.rngs, session.base, placed)
         return np.asarray(multihost_utils.process_allgather(out, tiled=True))[:rows]

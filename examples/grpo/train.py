@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,7 +43,7 @@ import rudax.run as rr
 from examples.grpo.config import GRPOConfig, build_parser
 from examples.grpo.data import PromptData
 from examples.grpo.mesh import mesh_score
-from examples.policy.jsonl import DataError
+from examples.policy.rows import pad_rows
 from examples.policy.session import Session
 from rudax.run import UsageError
 
@@ -72,17 +71,14 @@ def grpo(config: GRPOConfig, given: set[str] | None = None) -> dict[str, Any]:
         )
 
     # ----------------------------------------------------------------------------- data
-    try:
-        read = lambda path: PromptData(
-            Path(path),
+    train, val, identity = session.read_data(
+        lambda path: PromptData(
+            path,
             session.tokenizer,
             positions=session.positions,
             max_new_tokens=config.max_new_tokens,
         )
-        train = read(config.data)
-        val = None if config.val_data is None else read(config.val_data)
-    except (DataError, ValueError) as e:
-        raise UsageError(str(e)) from e
+    )
     if "exact_match" in (config.reward or ["exact_match"]):
         for flag, data in (("--data", train), ("--val-data", val)):
             if data is not None and "answer" not in data.fields[0]:
@@ -94,10 +90,6 @@ def grpo(config: GRPOConfig, given: set[str] | None = None) -> dict[str, Any]:
     longest = max(train.longest, 0 if val is None else val.longest)
     row_length = longest + g * (config.max_new_tokens + 1)
     prompts_per_generation = config.batch_size * config.grad_accum
-    identity = {
-        "data_identity": train.identity(),
-        "val_data_identity": None if val is None else val.identity(),
-    }
 
     # ----------------------------------------------------------------------------- policy
     def loss(model: Any, batch: Any) -> Any:
@@ -148,7 +140,7 @@ def grpo(config: GRPOConfig, given: set[str] | None = None) -> dict[str, Any]:
             )
         except (rp.RewardError, rp.LogprobMismatchError) as e:
             raise rr.TrainingHalted(f"generation {index}: {e}") from e
-        batch = _pad_rows(out.batch, prompts_per_generation)
+        batch = pad_rows(out.batch, prompts_per_generation)
         b = config.batch_size
         micro = [
             {k: v[a * b : (a + 1) * b] for k, v in batch.items()} for a in range(config.grad_accum)
@@ -249,17 +241,6 @@ def _check_flags(config: GRPOConfig) -> None:
                 f"--{flag.replace('_', '-')} {value} must be a multiple of --num-iterations "
                 f"{n}: a run stops and checkpoints between generations"
             )
-
-
-def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-    """``batch`` with empty rows added up to ``rows`` (each step compiles once): padding
-    that scores nothing."""
-    have = len(batch["tokens"])
-    fill = {"labels": rp.IGNORE_INDEX, "completion": -1}
-    return {
-        k: np.concatenate([v, np.full((rows - have, *v.shape[1:]), fill.get(k, 0), v.dtype)])
-        for k, v in batch.items()
-    }
 
 
 def _train_row(metrics: dict[str, float], out: rp.Rollout) -> dict[str, float]:

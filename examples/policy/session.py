@@ -30,6 +30,7 @@ import rudax.optim as ro
 import rudax.run as rr
 import rudax.sharding as rs
 from examples.policy.config import DTYPES, PolicyConfig
+from examples.policy.jsonl import DataError
 from rudax.run import UsageError
 
 Batch = dict[str, np.ndarray]
@@ -122,6 +123,21 @@ class Session:
         """Prints on process 0 only: one run, one voice."""
         if self.primary:
             print(*args, flush=True)
+
+    def read_data(self, read: Callable[[Path], Any]) -> tuple[Any, Any, dict[str, Any]]:
+        """``(train, val, identity)``: ``read`` of ``--data`` and of ``--val-data`` (None if
+        not given), a bad file a ``UsageError`` (its ``file:line``), and what fixes their
+        batches (each one's ``identity()``), which a resumed run is checked against."""
+        try:
+            train = read(Path(self.config.data))
+            val = None if self.config.val_data is None else read(Path(self.config.val_data))
+        except (DataError, ValueError) as e:
+            raise UsageError(str(e)) from e
+        identity = {
+            "data_identity": train.identity(),
+            "val_data_identity": None if val is None else val.identity(),
+        }
+        return train, val, identity
 
     @property
     def positions(self) -> int | None:
