@@ -1,7 +1,7 @@
 """The flax+optax reference: the trainer's Llama and its update, written plainly.
 
 An independent reimplementation of ``rudax.models.LlamaForCausalLM`` as the trainer builds it
-(``examples/lm/spec.py``), written the way a flax user would without rudax: plain
+(``benchmarks/_trainer.py``), written the way a flax user would without rudax: plain
 ``nnx.Embed`` (the tied head through its ``attend``), ``nnx.RMSNorm`` and bias-free
 ``nnx.Linear`` layers under Hugging Face's names (``model.layers.0.self_attn.q_proj``),
 separate q/k/v projections, rotary positions in the "rotate half" layout with float64 NumPy
@@ -22,7 +22,6 @@ rudax model's dotted ``nnx`` paths (its Hugging Face module names), the same ``.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import jax
@@ -33,7 +32,7 @@ from flax import nnx
 
 import rudax.models as rm
 from benchmarks._lm_arms import JaxArm, check_reference_config
-from examples.lm.spec import ModelSpec
+from benchmarks._trainer import Recipe
 
 # Where a tied model's one table is named: transformers' checkpoints keep it there too.
 EMBEDDING = "model.embed_tokens.embedding"
@@ -194,28 +193,28 @@ def ref_mean_loss(model: RefLlama, batch_BxT1: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch_BxT1[:, 1:]).mean()
 
 
-def ref_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+def ref_optimizer(opt: rm.OptimizerSpec) -> optax.GradientTransformation:
     """clip + AdamW in plain optax with the trainer's hyperparameters, schedule and decay mask."""
+    peak = opt.learning_rate
     lr = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, args.warmup, args.steps, end_value=args.lr * args.min_lr_ratio
+        0.0, peak, opt.warmup_steps, opt.steps, end_value=peak * opt.min_lr_ratio
     )
-    # The trainer's examples.lm.step.decay_mask: matrices decay (an untied head's table too);
+    # The trainer's rudax.models.decay_mask: matrices decay (an untied head's table too);
     # norms and the token embedding (also the tied head) do not.
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, p: p.ndim >= 2 and "['embed_tokens']" not in jax.tree_util.keystr(path),
         params,
     )
-    adamw = optax.adamw(
-        lr, args.beta1, args.beta2, args.eps, weight_decay=args.weight_decay, mask=mask
-    )
-    return optax.chain(optax.clip_by_global_norm(args.clip), adamw)
+    adamw = optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=mask)
+    return optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), adamw)
 
 
-def flax_arm(args: argparse.Namespace, spec: ModelSpec, arrays: dict, batch: jax.Array) -> JaxArm:
+def flax_arm(recipe: Recipe, arrays: dict, batch: jax.Array) -> JaxArm:
     """Plain flax+optax: ``RefLlama`` with the rudax model's weights, one donated jitted step."""
+    spec = recipe.spec
     ref = RefLlama.from_arrays(spec.config, arrays, dtype=spec.dtype)
     graphdef, params = nnx.split(ref)
-    tx = ref_optimizer(args)
+    tx = ref_optimizer(recipe.optimizer)
     loss_fn = lambda p: ref_mean_loss(nnx.merge(graphdef, p), batch)
 
     def step(params, opt_state):

@@ -20,7 +20,6 @@ not implement.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib.util
@@ -37,7 +36,7 @@ from typing import Any
 import jax
 
 import rudax.models as rm
-from examples.lm.spec import ModelSpec
+from benchmarks._trainer import Recipe
 
 TORCH_REF = Path(__file__).with_name("_torch_llama.py")
 # The LlamaConfig fields the references leave out, and the value that switches each off: the
@@ -171,23 +170,33 @@ class TorchArm:
         self.stderr.close()
 
 
-def torch_spec(args: argparse.Namespace, spec: ModelSpec, *, threads: int, workdir: Path) -> dict:
+def torch_spec(recipe: Recipe, *, threads: int, workdir: Path) -> dict:
     """What ``_torch_llama.py`` builds: the model's shape, the trainer's hyperparameters, threads.
 
     The compute dtype is the spec's. The weights and batch go to the returned ``"arrays"``
     path, an ``.npz`` the caller writes (``_flax_llama.flat_params`` and ``batch``).
     """
+    spec, opt = recipe.spec, recipe.optimizer
     config = spec.config
     check_reference_config(config)
     shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
     shape += ("num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
-    hparams = ("lr", "warmup", "steps", "min_lr_ratio", "weight_decay", "beta1", "beta2")
     return {
         "config": {
             **{k: getattr(config, k) for k in (*shape, "rope_theta", "rms_norm_eps")},
             "seq_len": spec.seq_len,
         },
-        "hparams": {k: getattr(args, k) for k in (*hparams, "eps", "clip")},
+        "hparams": {
+            "lr": opt.learning_rate,
+            "warmup": opt.warmup_steps,
+            "steps": opt.steps,
+            "min_lr_ratio": opt.min_lr_ratio,
+            "weight_decay": opt.weight_decay,
+            "beta1": opt.b1,
+            "beta2": opt.b2,
+            "eps": opt.eps,
+            "clip": opt.max_grad_norm,
+        },
         "compute_dtype": spec.dtype.name,
         "threads": threads,
         "arrays": str(workdir / "arrays.npz"),

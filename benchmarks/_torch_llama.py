@@ -1,7 +1,7 @@
 """The PyTorch reference of the trainer's Llama, for ``benchmarks.lm_trainer``.
 
 The same architecture as ``rudax.models.LlamaForCausalLM`` as the trainer builds it
-(``examples/lm/spec.py``), written the way a PyTorch user would, under Hugging Face's module
+(``benchmarks/_trainer.py``), written the way a PyTorch user would, under Hugging Face's module
 names (``model.layers.0.self_attn.q_proj``): ``nn.Embedding`` tied to the head
 (``F.linear(x, embed_tokens.weight)``, or an ``lm_head`` of its own when untied), ``nn.RMSNorm``,
 separate bias-free q/k/v projections, rotary positions in the "rotate half" layout (channel

@@ -14,7 +14,7 @@ Three modes, each printing a table of paired ratios (arms alternated round by ro
   (``jax.nn.dot_product_attention(implementation="cudnn")``) at batch 2, 32 heads, T = 4096,
   head_dim 128, causal, bf16; and a packed row (``--segments`` examples per row) against
   cuDNN with the equivalent explicit mask.
-* ``--trainer``: the LM trainer's default model (``examples.lm.step.model_spec`` of
+* ``--trainer``: the LM trainer's default model (``benchmarks._trainer.trainer_recipe``:
   ``examples.lm.train``'s default flags, a ``rudax.models.LlamaForCausalLM``), one forward +
   backward of its loss, with the kernel against the same model over the blocked attention
   (paired).
@@ -204,24 +204,23 @@ def trainer_table(rounds: int, iters: int) -> list[dict[str, Any]]:
     attention."""
     from flax import nnx
 
-    import rudax.models._llama_layers as llama_layers
-    from examples.lm.config import build_parser
-    from examples.lm.spec import loss_sum
-    from examples.lm.step import model_spec
+    import rudax.models as rm
+    from benchmarks._trainer import trainer_recipe
 
-    args = build_parser().parse_args([])  # python -m examples.lm.train's defaults
-    spec = model_spec(args)
+    recipe = trainer_recipe()  # python -m examples.lm.train's defaults
+    spec = recipe.spec
     graphdef, params, rest = nnx.split(spec.create(0), nnx.Param, ...)
-    shape = (args.batch_size, spec.seq_len + 1)
+    shape = (recipe.batch_size, spec.seq_len + 1)
     tokens = jax.random.randint(jax.random.key(1), shape, 0, spec.config.vocab_size)
 
     def grad_step():
         def f(params, tokens):
-            return loss_sum(nnx.merge(graphdef, params, rest), tokens, chunk=spec.loss_chunk)
+            model = nnx.merge(graphdef, params, rest)
+            return rm.next_token_loss_sum(model, tokens, chunk=spec.loss_chunk)
 
         return jax.jit(jax.value_and_grad(f, has_aux=True))
 
-    kernel = llama_layers.rk.flash_attention
+    kernel = rk.flash_attention
 
     def blocked(q, k, v, *, causal, segment_ids=None, window=None, **_):
         assert causal and window is None  # the trainer's model: causal, no sliding window
@@ -229,12 +228,14 @@ def trainer_table(rounds: int, iters: int) -> list[dict[str, Any]]:
 
     steps = {}
     for name, fn in (("flash", kernel), ("blocked", blocked)):
-        llama_layers.rk.flash_attention = fn  # traced now: the step keeps this attention
+        # rudax.layers.Attention calls rudax.kernels.flash_attention by its module attribute:
+        # traced now, the step keeps this attention
+        rk.flash_attention = fn
         try:
             step = grad_step()
             jax.block_until_ready(step(params, tokens))
         finally:
-            llama_layers.rk.flash_attention = kernel
+            rk.flash_attention = kernel
         steps[name] = step
     times = alternate(
         {n: (lambda s=s: s(params, tokens)) for n, s in steps.items()}, rounds=rounds, iters=iters

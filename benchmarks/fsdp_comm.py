@@ -5,10 +5,11 @@
 
 Two programs, as they run over ``--mesh data=D,fsdp=F``:
 
-- the trainer (``examples.lm``): ``LlamaConfig.tiny`` at the trainer's flags (built by
-  ``examples.lm.config.build_parser``), bf16 storage sharded by ``examples.lm.spec.shard``
-  (gathered in fp32), ``make_optimizer(args, mesh)`` (fp32 masters, clipping, AdamW or Muon:
-  ``rudax.sharding.fsdp_muon`` over ``fsdp``), the state placed by ``placement``;
+- the trainer (``examples.lm``): its recipe (``benchmarks._trainer.trainer_recipe``:
+  ``LlamaConfig.tiny`` at the given sizes), bf16 storage sharded by ``rudax.models.shard``
+  (gathered in fp32, as the trainer does), ``OptimizerSpec.build(mesh)`` (fp32 masters,
+  clipping, AdamW or Muon: ``rudax.sharding.fsdp_muon`` over ``fsdp``), the state placed by
+  ``rudax.sharding.place``;
 - the fine-tuner (``examples.finetune``): a tiny random HF Llama saved here as
   ``tests/finetune/conftest.py::tiny_base`` saves one (nothing downloaded), read back with
   ``rudax.models.from_pretrained(quantize="nf4")`` (every projection NF4, the embedding,
@@ -66,7 +67,7 @@ import json
 import math
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,7 @@ import rudax.layers as rl
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
-from examples.lm.config import build_parser
-from examples.lm.spec import loss_sum, shard
-from examples.lm.step import make_optimizer, model_spec
+from benchmarks._trainer import trainer_recipe
 
 N = 8
 MESHES = ("data=2,fsdp=4", "fsdp=8")
@@ -263,48 +262,40 @@ class Program:
     trained: str  # the part whose gradients are reduce-scattered
 
 
-def _flags(flags: Sequence[str], **more: Any) -> argparse.Namespace:
-    """The trainer's parsed flags: ``flags`` and ``--key value`` for each of ``more``."""
-    argv = list(flags)
-    for key, value in more.items():
-        if value is True:
-            argv.append(f"--{key.replace('_', '-')}")
-        elif value not in (None, False):
-            argv += [f"--{key.replace('_', '-')}", str(value)]
-    return build_parser().parse_args(argv)
-
-
 def trainer(
-    flags: Sequence[str],
+    size: Mapping[str, Any],
     *,
     optimizer: str,
     mesh: str | None,
     remat: str = "none",
     scan_layers: bool = False,
 ) -> Program:
-    """``examples.lm.train``'s state and steps over ``mesh``, built as the trainer builds them."""
-    args = _flags(flags, optimizer=optimizer, mesh=mesh, remat=remat, scan_layers=scan_layers)
-    plain = _flags(flags, optimizer=optimizer)  # the one-device run: unstacked, unsharded
+    """``examples.lm.train``'s state and steps over ``mesh`` (its ``--mesh``), built as the
+    trainer builds them; ``size``: ``trainer_recipe``'s model sizes and batch."""
+    recipe = trainer_recipe(optimizer=optimizer, remat=remat, scan_layers=scan_layers, **size)
+    plain = trainer_recipe(optimizer=optimizer, **size)  # the one-device run: unstacked
     the_mesh = make_mesh(mesh)
-    spec = model_spec(args)
+    spec = recipe.spec
     model = spec.create(0)
     if the_mesh is not None and "fsdp" in the_mesh.axis_names:
-        model = shard(model, the_mesh)
+        # the trainer's FSDP form: gathered, and reduce-scattered, in fp32
+        model = rm.shard(model, rs.ShardingContext(the_mesh, "fsdp"), compute_dtype=jnp.float32)
     graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
     place = lambda tree: tree if the_mesh is None else rs.place(tree, the_mesh)
     params, rngs, rest = place((params, rngs, rest))
-    tx = make_optimizer(args, the_mesh)
+    tx = recipe.optimizer.build(the_mesh, stacked=scan_layers)
     opt_state = place(jax.jit(tx.init)(params))
     init_acc = jax.jit(ro.GradientAccumulator.init, static_argnums=1)
     acc = place(init_acc(params, jnp.float32))
-    loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+    loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
     run = rs.make_train_steps(graphdef, tx, loss, mesh=the_mesh, donate=True)
     sharding = None if the_mesh is None else rs.batch_sharding(the_mesh)
-    batch = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32, sharding=sharding)
+    shape = (recipe.batch_size, spec.seq_len + 1)
+    batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
 
-    logical = nnx.state(nnx.eval_shape(lambda: model_spec(plain).create(0)), nnx.Param)
+    logical = nnx.state(nnx.eval_shape(lambda: plain.spec.create(0)), nnx.Param)
     fp32 = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), t)
-    logical_opt = jax.eval_shape(make_optimizer(plain, None).init, logical)
+    logical_opt = jax.eval_shape(plain.optimizer.build().init, logical)
     logical_acc = jax.eval_shape(lambda p: ro.GradientAccumulator.init(p, jnp.float32), logical)
     return Program(
         mesh=the_mesh,
@@ -315,7 +306,7 @@ def trainer(
         micro=run.micro, micro_args=(params, rngs, acc, rest, batch),
         apply=run.apply, apply_args=(params, opt_state, acc),
         gathered=("params",),
-        gather_dtype=jnp.float32,  # examples.lm.spec.shard: gathered and reduced in fp32
+        gather_dtype=jnp.float32,  # the trainer's FSDP form: gathered and reduced in fp32
         trained="params",
     )  # fmt: skip
 
@@ -582,11 +573,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if max(jax.device_count(), len(jax.devices("cpu"))) < N:
         raise SystemExit(f"needs {N} devices, got {jax.devices()}: JAX started before this set 8")
-    flags = [
-        *("--d-model", str(args.d_model), "--n-layers", str(args.n_layers)),
-        *("--n-heads", str(args.n_heads), "--vocab-size", str(args.vocab_size)),
-        *("--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)),
-    ]
+    size = dict(
+        hidden_size=args.d_model, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, vocab_size=args.vocab_size, seq_len=args.seq_len,
+        batch_size=args.batch_size,
+    )  # fmt: skip
     sizes = {4: MESHES[0], 8: MESHES[1]}  # data replicas hold what fsdp=4 alone would
     state: dict[str, Any] = {}
     rows: dict[str, Any] = {}
@@ -605,10 +596,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- trainer
     for optimizer in ("adamw", "muon"):
-        measure(f"trainer, {optimizer}", functools.partial(trainer, flags, optimizer=optimizer))
+        measure(f"trainer, {optimizer}", functools.partial(trainer, size, optimizer=optimizer))
     for mesh in MESHES:
         for name, kw, steps in TRAINER_ARMS:
-            program = trainer(flags, mesh=mesh, **kw)
+            program = trainer(size, mesh=mesh, **kw)
             record(f"trainer {name}, {mesh}", program, mesh, kw["optimizer"], steps)
 
     # --------------------------------------------------------------------------- fine-tuner

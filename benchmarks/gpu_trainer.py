@@ -4,8 +4,9 @@
     python -m benchmarks.gpu_trainer --preset tiny --steps 2 --json out.json   # a CPU check
     python -m benchmarks.gpu_trainer --deterministic --json out.json
 
-It runs the trainer's own ``micro`` and ``apply`` (``examples.lm.step.make_steps``: loss sum,
-gradient, token-weighted accumulation, clip + AdamW with fp32 masters) on random token ids
+It runs the trainer's own ``micro`` and ``apply`` (``rudax.sharding.make_train_steps`` of the
+trainer's recipe, ``benchmarks._trainer``: loss sum, gradient, token-weighted accumulation,
+clip + AdamW with fp32 masters) on random token ids
 of the trainer's shape; the data pipeline is not timed. The peak is the best of a few bf16
 ``[n, n] @ [n, n]`` products measured in the same process, before and after the steps.
 MFU is ``tokens/s * flops_per_token(config) / peak``.
@@ -27,24 +28,24 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-# The trainer's flags of each preset (on top of its defaults). "gpu": GPT-2 small's shape
-# (width 768, 12 layers of 12 heads, 50304 tokens; a Llama with a SwiGLU MLP of 2048, so 124M
-# parameters), bf16 storage and compute, 32 x 1024 tokens per update; "mid" a quarter of
-# it, for checks that start several processes.
-PRESETS = {
-    "gpu": [
-        *("--vocab-size=50304", "--seq-len=1024", "--d-model=768", "--n-layers=12"),
-        *("--n-heads=12", "--batch-size=32", "--compute-dtype=bfloat16"),
-    ],
-    "mid": [
-        *("--vocab-size=32768", "--seq-len=512", "--d-model=512", "--n-layers=4"),
-        *("--n-heads=8", "--batch-size=16", "--compute-dtype=bfloat16"),
-    ],
-    "tiny": [
-        *("--vocab-size=512", "--seq-len=64", "--d-model=64", "--n-layers=2"),
-        *("--n-heads=2", "--batch-size=4"),
-    ],
-}
+# Each preset's trainer recipe (benchmarks._trainer.trainer_recipe, the trainer's defaults
+# otherwise). "gpu": GPT-2 small's shape (width 768, 12 layers of 12 heads, 50304 tokens; a
+# Llama with a SwiGLU MLP of 2048, so 124M parameters), bf16 storage and compute, 32 x 1024
+# tokens per update; "mid" a quarter of it, for checks that start several processes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpu": dict(
+        vocab_size=50304, seq_len=1024, hidden_size=768, num_hidden_layers=12,
+        num_attention_heads=12, batch_size=32, compute_dtype="bfloat16",
+    ),
+    "mid": dict(
+        vocab_size=32768, seq_len=512, hidden_size=512, num_hidden_layers=4,
+        num_attention_heads=8, batch_size=16, compute_dtype="bfloat16",
+    ),
+    "tiny": dict(
+        vocab_size=512, seq_len=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        batch_size=4,
+    ),
+}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +66,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         rk.enable_deterministic_gpu()
     import jax
 
-    trainer = _trainer_args(args)
-    run = _Run(trainer)
+    recipe = _recipe(args)
+    run = _Run(recipe)
     peak_before = bf16_matmul_flops_per_s(args.peak_size)
     seconds = run.time(args.steps)
     peak = max(peak_before, bf16_matmul_flops_per_s(args.peak_size))
-    tokens = trainer.batch_size * trainer.seq_len
+    tokens = recipe.batch_size * recipe.spec.seq_len
     tokens_per_s = tokens / seconds
     results = {
         "preset": args.preset,
@@ -94,19 +95,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return results
 
 
-def _trainer_args(args: argparse.Namespace) -> argparse.Namespace:
-    from examples.lm.config import build_parser as trainer_parser
+def _recipe(args: argparse.Namespace) -> Any:
+    """The preset's ``benchmarks._trainer.Recipe`` (imported here: JAX starts after
+    ``--deterministic`` is set)."""
+    from benchmarks._trainer import trainer_recipe
 
-    flags = [*PRESETS[args.preset], "--optimizer=adamw"]
-    if args.deterministic:
-        flags.append("--deterministic")
-    return trainer_parser().parse_args(flags)
+    return trainer_recipe(deterministic=args.deterministic, **PRESETS[args.preset])
 
 
 class _Run:
     """The trainer's model, optimizer and steps on one fixed random batch."""
 
-    def __init__(self, trainer: argparse.Namespace):
+    def __init__(self, recipe: Any):
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -114,19 +114,17 @@ class _Run:
         import rudax.models as rm
         import rudax.optim as ro
         import rudax.sharding as rs
-        from examples.lm.spec import loss_sum
-        from examples.lm.step import make_optimizer, model_spec
 
-        spec = model_spec(trainer)
+        spec = recipe.spec
         config = spec.config
-        model = spec.create(trainer.seed)
+        model = spec.create(0)  # the trainer's --seed
         graphdef, params, self.rngs, self.rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-        tx = make_optimizer(trainer)
-        loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+        tx = recipe.optimizer.build()
+        loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
         self.steps = rs.make_train_steps(graphdef, tx, loss, donate=True)
         acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
         self.state = (params, tx.init(params), acc)
-        shape = (trainer.batch_size, trainer.seq_len + 1)
+        shape = (recipe.batch_size, spec.seq_len + 1)
         self.batch = jax.random.randint(jax.random.key(1), shape, 0, config.vocab_size)
         self.parameters = sum(x.size for x in jax.tree.leaves(params))
         self.flops_per_token = rm.flops_per_token(config, spec.seq_len)

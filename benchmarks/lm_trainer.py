@@ -5,12 +5,13 @@
     python -m benchmarks.lm_trainer --torch-python .venv/bin/python --json bench.json
 
 Every arm times full training steps (forward, backward, gradient clipping, AdamW update) of
-the same model, the trainer's ``rudax.models.LlamaForCausalLM`` (``examples/lm/spec.py``: tied
+the same model, the trainer's ``rudax.models.LlamaForCausalLM`` (``benchmarks/_trainer.py``: tied
 embeddings, separate q/k/v projections, SwiGLU, RMSNorm, RoPE), from the same initial
 weights, on the same batch of ``batch_size x seq_len`` random token ids (the data pipeline is
 not timed):
 
-* ``rudax``: the trainer's own step, ``examples.lm.step``, with ``--optimizer adamw``:
+* ``rudax``: the trainer's own step (``rudax.models.OptimizerSpec`` and
+  ``next_token_loss_sum`` through ``rudax.sharding.make_train_steps``) with ``adamw``:
   ``micro`` (loss sum, gradient, token-weighted ``GradientAccumulator.add``) then ``apply``
   (``pop``, then ``fp32_master(chain(clip_by_global_norm, adamw))``, weight decay on the
   matrices, not the norms or the embedding), parameters stored in ``--param-dtype`` (the trainer's
@@ -89,26 +90,19 @@ from benchmarks._flax_llama import flat_params, flax_arm
 from benchmarks._lm_arms import JaxArm, TorchArm, torch_python, torch_spec
 from benchmarks._stats import ratio_interval
 from benchmarks._timing import alternate, ratio_summary
-from examples.lm.config import build_parser
-from examples.lm.report import format_table
-from examples.lm.spec import ModelSpec, loss_sum
-from examples.lm.step import make_optimizer, model_spec
-from rudax.run import MALLOC_ENV, retain_freed_memory
+from benchmarks._trainer import Recipe, trainer_recipe
+from rudax.run import MALLOC_ENV, format_table, retain_freed_memory
 
 ARMS = ("rudax", "flax+optax", "torch", "torch.compile")
-# Trainer flags of each preset on top of train.py's defaults ("small" is the model
-# `python -m examples.lm.train` trains).
-PRESETS = {
-    "small": [],
-    "tiny": [
-        "--vocab-size=512",
-        "--seq-len=64",
-        "--d-model=64",
-        "--n-layers=2",
-        "--n-heads=2",
-        "--batch-size=8",
-    ],
-}
+# Each preset's changes to the trainer's recipe (benchmarks._trainer.trainer_recipe; "small"
+# is the model `python -m examples.lm.train` trains).
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": {},
+    "tiny": dict(
+        vocab_size=512, seq_len=64, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=2, batch_size=8,
+    ),
+}  # fmt: skip
 # How far an arm's initial loss may be from rudax's: summation order in fp32; bf16 rounding
 # of every activation under bf16 compute.
 LOSS_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -119,32 +113,29 @@ FINAL_LOSS_RTOL = {"float32": 1e-3, "bfloat16": 2e-2}
 
 
 # ----------------------------------------------------------------------------- config
-def trainer_args(preset: str, compute_dtype: str, param_dtype: str) -> argparse.Namespace:
-    """train.py's flags for a preset: the hyperparameters every arm is built from.
+def preset_recipe(preset: str, compute_dtype: str, param_dtype: str) -> Recipe:
+    """The trainer's recipe for a preset: the model and hyperparameters every arm is built from.
 
-    ``--optimizer adamw`` is pinned, whatever the trainer's default: the references are
-    clip + AdamW (Muon differs in detail between optax.contrib, torch and rudax).
+    The optimizer is AdamW, whatever the trainer's default: the references are clip + AdamW
+    (Muon differs in detail between optax.contrib, torch and rudax).
 
     Example:
-      >>> from benchmarks.lm_trainer import trainer_args
-      >>> args = trainer_args("tiny", "float32", "bfloat16")
-      >>> args.optimizer, args.d_model, args.param_dtype
-      ('adamw', 64, 'bfloat16')
+      >>> from benchmarks.lm_trainer import preset_recipe
+      >>> recipe = preset_recipe("tiny", "float32", "bfloat16")
+      >>> recipe.optimizer.name, recipe.spec.config.hidden_size, recipe.spec.config.param_dtype
+      ('adamw', 64, dtype(bfloat16))
     """
-    flags = [*PRESETS[preset], "--optimizer=adamw", f"--compute-dtype={compute_dtype}"]
-    flags += [f"--param-dtype={param_dtype}"]
-    return build_parser().parse_args(flags)
+    fields = dict(PRESETS[preset], compute_dtype=compute_dtype, param_dtype=param_dtype)
+    return trainer_recipe(optimizer="adamw", **fields)
 
 
 # ----------------------------------------------------------------------------- arms
-def rudax_arm(
-    args: argparse.Namespace, spec: ModelSpec, model: rm.LlamaForCausalLM, batch: jax.Array
-) -> JaxArm:
+def rudax_arm(recipe: Recipe, model: rm.LlamaForCausalLM, batch: jax.Array) -> JaxArm:
     """The trainer's step: ``rudax.sharding.make_train_steps``' ``micro`` then ``apply`` of the
     trainer's loss, one window."""
     graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-    tx = make_optimizer(args)
-    loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+    tx = recipe.optimizer.build()
+    loss = functools.partial(rm.next_token_loss_sum, chunk=recipe.spec.loss_chunk)
     steps = rs.make_train_steps(graphdef, tx, loss, donate=True)
     acc = ro.GradientAccumulator.init(params, dtype=jnp.float32)
 
@@ -277,12 +268,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     kept = False if opts.system_malloc else retain_freed_memory()
     load_before = list(os.getloadavg())
     threads = os.cpu_count() or 1
-    args = trainer_args(opts.config, opts.compute_dtype, opts.param_dtype)
-    spec = model_spec(args)
+    recipe = preset_recipe(opts.config, opts.compute_dtype, opts.param_dtype)
+    spec, batch_size = recipe.spec, recipe.batch_size
     config = spec.config
-    tokens_per_step = args.batch_size * spec.seq_len
+    tokens_per_step = batch_size * spec.seq_len
     rng = np.random.default_rng(opts.seed)
-    batch_np = rng.integers(0, config.vocab_size, (args.batch_size, spec.seq_len + 1), np.int32)
+    batch_np = rng.integers(0, config.vocab_size, (batch_size, spec.seq_len + 1), np.int32)
     batch = jnp.asarray(batch_np)
     model = spec.create(opts.seed)
     arrays = flat_params(model)
@@ -290,11 +281,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     python, torch_note = torch_python(opts.torch_python)
     wanted = [a for a in opts.arms if python is not None or not a.startswith("torch")]
     with contextlib.ExitStack() as stack:
-        arms: dict[str, Any] = {"rudax": rudax_arm(args, spec, model, batch)}
+        arms: dict[str, Any] = {"rudax": rudax_arm(recipe, model, batch)}
         if "flax+optax" in wanted:
-            arms["flax+optax"] = flax_arm(args, spec, arrays, batch)
+            arms["flax+optax"] = flax_arm(recipe, arrays, batch)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        child = torch_spec(args, spec, threads=threads, workdir=workdir)
+        child = torch_spec(recipe, threads=threads, workdir=workdir)
         np.savez(child["arrays"], batch=batch_np, **arrays)
         for name, mode in (("torch", "eager"), ("torch.compile", "compile")):
             if name in wanted:
@@ -327,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "param_dtype": str(config.param_dtype),
             "dtype": str(spec.dtype),
             "seq_len": spec.seq_len,
-            "batch_size": args.batch_size,
+            "batch_size": batch_size,
         },
         "tokens_per_step": tokens_per_step,
         "flops_per_token": fpt,

@@ -4,7 +4,7 @@
     python -m benchmarks.remat --depths 4,16,64      # compile and step time by depth
     python -m benchmarks.remat --rounds 3 --iters 1 --json remat.json
 
-The step is the trainer's gradient step (``examples.lm.spec.loss_sum``'s value and gradient
+The step is the trainer's gradient step (``rudax.models.next_token_loss_sum``'s value and gradient
 under ``jax.jit``) of its default model, a ``rudax.models.LlamaForCausalLM``
 (``python -m examples.lm.train``'s flags: width 256, 4 layers, 256 tokens, 16 sequences, a
 vocabulary of 8192, bf16 storage, fp32 compute; ``--d-model``, ``--n-layers``,
@@ -46,13 +46,15 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from examples.lm.config import build_parser
-    from examples.lm.spec import loss_sum
-    from examples.lm.step import model_spec
+    import rudax.models as rm
+    from benchmarks._trainer import trainer_recipe
 
-    flags = ["--seq-len", str(args.seq_len), "--d-model", str(args.d_model)]
-    flags += ["--n-layers", str(args.n_layers), "--vocab-size", str(args.vocab_size)]
-    base = model_spec(build_parser().parse_args(flags))
+    base = trainer_recipe(
+        seq_len=args.seq_len,
+        hidden_size=args.d_model,
+        num_hidden_layers=args.n_layers,
+        vocab_size=args.vocab_size,
+    ).spec
     batch = jax.random.randint(
         jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, base.config.vocab_size
     )
@@ -67,7 +69,8 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         params, rest = jax.tree.map(lambda x: x, (params, rest))
 
         def value_and_grad(params: Any, rest: Any, batch: Any) -> Any:
-            loss = lambda p: loss_sum(nnx.merge(graphdef, p, rest), batch, chunk=spec.loss_chunk)
+            model = lambda p: nnx.merge(graphdef, p, rest)
+            loss = lambda p: rm.next_token_loss_sum(model(p), batch, chunk=spec.loss_chunk)
             return jax.value_and_grad(lambda p: loss(p)[0])(params)
 
         start = time.perf_counter()

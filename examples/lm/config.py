@@ -21,10 +21,13 @@ import os
 from typing import Any
 
 import rudax.layers as rl
+import rudax.models as rm
 import rudax.run as rr
 import rudax.sharding as rs
 
-OPTIMIZERS = ("adamw", "muon", "fused_adamw")
+OPTIMIZERS = rm.OPTIMIZERS
+# The optimizer flags' defaults: the library's recipe (benchmarks build the same one).
+_OPT = rm.OptimizerSpec()
 DTYPES = ("bfloat16", "float32")
 REMAT_POLICIES = rl.REMAT_POLICIES
 
@@ -350,45 +353,52 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="muon",
+        default=_OPT.name,
         help="muon: Muon on the blocks' matrices, AdamW on the rest; adamw; fused_adamw",
     )
     opt.add_argument(
         "--lr",
         type=non_negative_float,
-        default=3e-3,
+        default=_OPT.learning_rate,
         help="AdamW's peak learning rate (with muon: of the embedding, norms and experts; "
         "for adamw alone 1.5e-3 trains this model more smoothly)",
     )
     opt.add_argument(
-        "--muon-lr", type=non_negative_float, default=0.02, help="Muon's peak lr (matrices)"
+        "--muon-lr",
+        type=non_negative_float,
+        default=_OPT.muon_learning_rate,
+        help="Muon's peak lr (matrices)",
     )
     opt.add_argument(
         "--min-lr-ratio",
         type=_number(float, 0, high=1.0000001),
-        default=0.1,
+        default=_OPT.min_lr_ratio,
         help="final lr as a fraction of the peak (cosine decay)",
     )
-    opt.add_argument("--warmup", type=non_negative_int, default=15, help="linear warmup updates")
+    opt.add_argument(
+        "--warmup", type=non_negative_int, default=_OPT.warmup_steps, help="linear warmup updates"
+    )
     opt.add_argument(
         "--weight-decay",
         type=non_negative_float,
-        default=0.1,
+        default=_OPT.weight_decay,
         help="decoupled weight decay of the weight matrices (attention, MLP, MoE router and "
         "experts), with every optimizer; norm scales and the embedding (the tied head) are "
         "not decayed",
     )
-    opt.add_argument("--beta1", type=unit_interval, default=0.9, help="Adam's b1")
-    opt.add_argument("--beta2", type=unit_interval, default=0.95, help="Adam's b2")
-    opt.add_argument("--eps", type=non_negative_float, default=1e-8, help="Adam's eps")
-    opt.add_argument("--clip", type=positive_float, default=1.0, help="global gradient norm")
+    opt.add_argument("--beta1", type=unit_interval, default=_OPT.b1, help="Adam's b1")
+    opt.add_argument("--beta2", type=unit_interval, default=_OPT.b2, help="Adam's b2")
+    opt.add_argument("--eps", type=non_negative_float, default=_OPT.eps, help="Adam's eps")
+    opt.add_argument(
+        "--clip", type=positive_float, default=_OPT.max_grad_norm, help="global gradient norm"
+    )
 
     batch = p.add_argument_group("batch, schedule and devices (run flags)")
     batch.add_argument(
         "--batch-size", type=positive_int, default=16, help="sequences per microbatch (global)"
     )
     batch.add_argument("--grad-accum", type=positive_int, default=1, help="microbatches per update")
-    batch.add_argument("--steps", type=positive_int, default=150, help="optimizer updates")
+    batch.add_argument("--steps", type=positive_int, default=_OPT.steps, help="optimizer updates")
     batch.add_argument(
         "--mesh",
         type=rr.mesh_flag,

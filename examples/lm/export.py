@@ -29,7 +29,6 @@ import rudax.checkpoint as rc
 import rudax.models as rm
 import rudax.sharding as rs
 from examples.lm.config import UsageError
-from examples.lm.spec import shard
 from examples.lm.tokenizer import EOT, TOKENIZER
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -59,7 +58,7 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, 
     # Imported here: the trainer and its imports (tqdm, the data pipeline) only for the CLI.
     from examples.lm import train
     from examples.lm.prepare import read_prepared
-    from examples.lm.step import model_spec
+    from examples.lm.step import model_spec, shard
 
     run_dir = Path(run_dir)
     try:

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 import rudax.models as rm
 from examples.lm.config import TrainConfig, UsageError
-from examples.lm.spec import ModelSpec
 from examples.lm.tokenizer import TOKENIZER
 
 # The trainer's shape flags and the LlamaConfig field each sets.
@@ -113,7 +112,7 @@ def check_tokenizer(hf_dir: Path, data_dir: Path, *, flag: str = "--init-from") 
 
 
 def load_model(
-    hf_dir: Path, spec: ModelSpec, *, mesh: jax.sharding.Mesh | None = None
+    hf_dir: Path, spec: rm.ModelSpec, *, mesh: jax.sharding.Mesh | None = None
 ) -> rm.LlamaForCausalLM:
     """hf_dir's weights in the model of ``spec`` (the flags' dtypes, remat and layout); with
     a ``mesh`` (an ``fsdp`` axis), already in the trainer's FSDP form (``spec.shard``'s),

@@ -14,7 +14,7 @@ It takes the trainer's own flags (``examples.lm.train``'s: the model, ``--mesh``
 it refuses), or with ``--finetune lora|qlora`` those of ``examples.finetune`` (adapters on
 every projection, AdamW on them), and prints the bytes each device holds: parameters, fp32
 masters, optimizer moments, accumulator, and what each step adds to them. The model is the
-trainer's ``examples.lm.spec.ModelSpec`` (a ``rudax.models.LlamaForCausalLM``), of the flags
+trainer's ``rudax.models.ModelSpec`` (a ``rudax.models.LlamaForCausalLM``), of the flags
 or of ``--hf-config``. Nothing is allocated and nothing compiled: the model, the optimizer
 state and the accumulator are built abstractly (``nnx.eval_shape``, ``jax.eval_shape``): on
 a 2-core CPU a 7B plan takes seconds, a 70B QLoRA one under a minute with ``--scan-layers``
@@ -95,8 +95,7 @@ import rudax.models as rm
 import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import config as cfg
-from examples.lm.spec import ModelSpec, loss_sum, shard
-from examples.lm.step import make_optimizer, model_spec
+from examples.lm.step import make_optimizer, model_spec, shard
 
 FINETUNE = ("none", "lora", "qlora")
 GB = 1e9
@@ -168,7 +167,7 @@ def progress(message: str) -> None:
     print(f"plan: {message}", file=sys.stderr, flush=True)
 
 
-def _layers(spec: ModelSpec) -> str:
+def _layers(spec: rm.ModelSpec) -> str:
     n = spec.config.num_hidden_layers
     return f"{n} layer{'s' * (n != 1)}" + (", scanned" if spec.scan_layers else "")
 
@@ -333,7 +332,7 @@ def _used_inputs(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:
 # ------------------------------------------------------------------------------- plans
 
 
-def _loss_working_set(spec: ModelSpec, rows: int, *, table_trained: bool) -> int:
+def _loss_working_set(spec: rm.ModelSpec, rows: int, *, table_trained: bool) -> int:
     """What the fused loss holds while it runs, beyond the activations: one chunk's fp32
     logits and their gradient (``softmax - one_hot``, in the compute dtype: it is formed
     before the logits are freed), and the table cast to the compute dtype if it is stored
@@ -350,7 +349,7 @@ def _loss_working_set(spec: ModelSpec, rows: int, *, table_trained: bool) -> int
     return chunk * config.vocab_size * (4 + c) + cast
 
 
-def _kept_by_xla(spec: ModelSpec, model: Any, rows: int) -> int:
+def _kept_by_xla(spec: rm.ModelSpec, model: Any, rows: int) -> int:
     """What XLA:CPU keeps from the forward for the backward besides JAX's residuals, when
     the layers are neither scanned nor rematerialized (then forward and backward are one
     straight-line program):
@@ -381,7 +380,7 @@ def _kept_by_xla(spec: ModelSpec, model: Any, rows: int) -> int:
 
 
 def _micro(
-    spec: ModelSpec, rows: int, kept: Callable[[ModelSpec], tuple[int, int]], loss: int
+    spec: rm.ModelSpec, rows: int, kept: Callable[[rm.ModelSpec], tuple[int, int]], loss: int
 ) -> dict[str, int]:
     """What a microbatch adds besides its gradients and accumulator: the activations kept
     for the backward and what XLA keeps besides (``kept(spec)``), and the larger of the loss's
@@ -415,7 +414,7 @@ def optimizer_state(tx: optax.GradientTransformation, trainable: Any) -> tuple[A
 
 
 def plan_pretraining(
-    args: argparse.Namespace, spec: ModelSpec, *, device_bytes: int | None = None
+    args: argparse.Namespace, spec: rm.ModelSpec, *, device_bytes: int | None = None
 ) -> Plan:
     """The plan of ``examples.lm.train`` with these flags, its model ``spec``."""
     cfg.check(args)  # what the trainer refuses (say muon over fsdp) has no plan
@@ -432,14 +431,14 @@ def plan_pretraining(
     opt_state, acc = optimizer_state(tx, params)
     masters = _masters(opt_state)
 
-    def kept(s: ModelSpec) -> tuple[int, int]:
+    def kept(s: rm.ModelSpec) -> tuple[int, int]:
         # The trainer's own loss (over a mesh, its shard_map'd loss): under FSDP what is kept
         # is each device's shard of the parameters, or the gathered weights, as the step
         # really keeps them. shard_map's residuals come out stacked over the devices.
         model = trained_model(s, mesh_obj)
         graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
         batch = jax.ShapeDtypeStruct((args.batch_size, s.seq_len + 1), jnp.int32)
-        loss = functools.partial(loss_sum, chunk=s.loss_chunk)
+        loss = functools.partial(rm.next_token_loss_sum, chunk=s.loss_chunk)
         steps = rs.make_train_steps(graphdef, optax.identity(), loss, mesh=mesh_obj)
         activations = kept_for_backward(steps.forward, params, rngs, rest, batch) // devices
         return activations, _kept_by_xla(s, model, rows)
@@ -462,7 +461,7 @@ def plan_pretraining(
 
 
 def plan_finetuning(
-    args: argparse.Namespace, spec: ModelSpec, *, device_bytes: int | None = None
+    args: argparse.Namespace, spec: rm.ModelSpec, *, device_bytes: int | None = None
 ) -> Plan:
     """The plan of ``examples.finetune`` (one device): LoRA adapters of ``--rank`` on every
     projection, the base NF4 under ``qlora``, AdamW (no masters: the adapters are fp32)."""
@@ -478,7 +477,7 @@ def plan_finetuning(
             "layer the same dropout masks"
         )
 
-    def split(s: ModelSpec) -> tuple[Any, Any]:
+    def split(s: rm.ModelSpec) -> tuple[Any, Any]:
         model = nnx.eval_shape(lambda: finetune_model(args, s))
         return model, nnx.split(model, rl.LoRAParam, nnx.RngState, ...)
 
@@ -486,7 +485,7 @@ def plan_finetuning(
     progress(f"building the model abstractly ({_layers(spec)}, its base {args.finetune})...")
     full = split(spec)
 
-    def kept(s: ModelSpec) -> tuple[int, int]:
+    def kept(s: rm.ModelSpec) -> tuple[int, int]:
         model, (graphdef, adapters, rngs, base) = full if s == spec else split(s)
         shape = (args.batch_size, s.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in FINETUNE_BATCH}
@@ -550,9 +549,9 @@ def _gradients(params: Any, fsdp: int, *, scanned: bool) -> int:
     return rs.bytes_per_device(fp32, fsdp) + one + whole - rs.bytes_per_device(layers)
 
 
-def trained_model(spec: ModelSpec, mesh: Mesh | None) -> rm.LlamaForCausalLM:
+def trained_model(spec: rm.ModelSpec, mesh: Mesh | None) -> rm.LlamaForCausalLM:
     """The model of ``spec`` as ``examples.lm.train`` runs it on ``mesh``, abstract
-    (``ShapeDtypeStruct`` leaves): FSDP-sharded (``examples.lm.spec.shard``) if the mesh has
+    (``ShapeDtypeStruct`` leaves): FSDP-sharded (``examples.lm.step.shard``) if the mesh has
     an ``fsdp`` axis, else whole (replicated over ``data``)."""
     # spec.create evaluated abstractly: the trainer's own build, its layers stacked inside the
     # evaluation (ModelSpec.abstract stacks them on the host, which jnp.stack refuses for
@@ -562,7 +561,7 @@ def trained_model(spec: ModelSpec, mesh: Mesh | None) -> rm.LlamaForCausalLM:
     return nnx.eval_shape(lambda: shard(spec.create(0), mesh))
 
 
-def finetune_model(args: argparse.Namespace, spec: ModelSpec) -> rm.LlamaForCausalLM:
+def finetune_model(args: argparse.Namespace, spec: rm.ModelSpec) -> rm.LlamaForCausalLM:
     """The model of ``spec`` as ``examples.finetune`` trains it: a ``rudax.models``
     ``LlamaForCausalLM`` (``spec``'s compute dtype and remat), ``--rank`` adapters on every
     projection, each base projection NF4 under ``--finetune qlora``, then its layers stacked
@@ -634,7 +633,7 @@ def _masters(opt_state: Any) -> Any:
 # ------------------------------------------------------------------------------- program
 
 
-def model_of(args: argparse.Namespace) -> ModelSpec:
+def model_of(args: argparse.Namespace) -> rm.ModelSpec:
     """The model of the flags (``examples.lm.step.model_spec``), or of ``--hf-config`` with the
     flags' storage and compute dtypes, sequence length, remat and scanned layers; its loss
     chunk ``--loss-chunk``'s (0: one chunk of the whole batch's tokens).
@@ -658,7 +657,7 @@ def model_of(args: argparse.Namespace) -> ModelSpec:
                 f"--seq-len {args.seq_len} is more than the {positions} positions of "
                 f"{args.hf_config} (max_position_embeddings)"
             )
-        spec = ModelSpec(
+        spec = rm.ModelSpec(
             rm.LlamaConfig.from_hf(hf, param_dtype=jnp.dtype(args.param_dtype)),
             seq_len=args.seq_len,
             dtype=jnp.dtype(args.compute_dtype),

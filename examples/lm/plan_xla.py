@@ -22,7 +22,6 @@ import rudax.layers as rl
 import rudax.models as rm
 import rudax.sharding as rs
 from examples.lm import plan as pl
-from examples.lm.spec import loss_sum
 from examples.lm.step import make_optimizer
 
 
@@ -91,7 +90,7 @@ def compiled_steps(args: argparse.Namespace) -> tuple[str, dict[str, StepMemory]
         batch = jax.ShapeDtypeStruct(
             (args.batch_size, spec.seq_len + 1), jnp.int32, sharding=batch_sharding
         )
-        loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+        loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
         run = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=True)
         rngs, rest = place(rngs), place(rest)
         steps = {

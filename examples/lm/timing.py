@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from examples.lm.report import format_table
+import rudax.run as rr
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -89,7 +89,7 @@ def profile(
     ]
     rate = a * tokens / whole
     per_update = f"ms per update ({a} microbatch{'es' if a > 1 else ''})"
-    table = format_table(["phase", "ms per call", per_update], rows)
+    table = rr.format_table(["phase", "ms per call", per_update], rows)
     return (
         f"{table}\n{rate:,.0f} tokens/s, {rate * flops_per_token / 1e9:.1f} GFLOP/s of model "
         f"matmuls (medians of {repeats} timed runs each, after a warm-up)"

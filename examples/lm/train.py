@@ -24,7 +24,7 @@ non-finite training loss stops the run, naming the update; a checkpoint of non-f
 is never written; and ``--max-skipped-updates`` updates in a row skipped by the optimizer stop
 it too.
 
-Everything rudax offers runs here: ``rudax.models`` (the model, ``examples/lm/spec.py``),
+Everything rudax offers runs here: ``rudax.models`` (the model, ``ModelSpec``),
 ``rudax.optim`` (``fp32_master``, ``GradientAccumulator``, clipping, schedules, AdamW, Muon,
 fused AdamW), ``rudax.sharding`` (FSDP over a mesh inside ``jax.shard_map``) and
 ``rudax.checkpoint`` (the whole state, restored exactly). The step itself is in
@@ -63,8 +63,7 @@ from examples.lm import guard, hf_init
 from examples.lm.corpus import CorpusError
 from examples.lm.data import ShardError
 from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
-from examples.lm.spec import loss_sum, shard
-from examples.lm.step import make_optimizer, make_schedule, model_spec
+from examples.lm.step import make_optimizer, model_spec, optimizer_spec, shard
 from examples.lm.timing import profile
 
 UsageError = cfg.UsageError
@@ -233,13 +232,13 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
 
     # --------------------------------------------------------------------------- optimizer
     tx = make_optimizer(flags, mesh)
-    lr_at = jax.jit(make_schedule(flags, flags.lr))  # the lr of update s is lr_at(s - 1)
+    lr_at = jax.jit(optimizer_spec(flags).schedule(flags.lr))  # the lr of update s is lr_at(s - 1)
     opt_state = place(jax.jit(tx.init)(params))
     acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32))
 
     # --------------------------------------------------------------------------- step
     # --profile times each step repeatedly on the same inputs, which donation would delete.
-    loss = functools.partial(loss_sum, chunk=spec.loss_chunk)
+    loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
     steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not flags.profile)
     microbatch = lambda s, a: put(
         train_data.batch((s - 1) * flags.grad_accum + a, shard=process, num_shards=processes)

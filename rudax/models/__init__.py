@@ -39,28 +39,37 @@ from rudax.models._llama_config import LlamaConfig as LlamaConfig
 from rudax.models._logprobs import causal_lm_token_logprobs as causal_lm_token_logprobs
 from rudax.models._loss import IGNORE_INDEX as IGNORE_INDEX
 from rudax.models._loss import causal_lm_loss_sum as causal_lm_loss_sum
+from rudax.models._loss import next_token_loss_sum as next_token_loss_sum
+from rudax.models._optimizer import OPTIMIZERS as OPTIMIZERS
+from rudax.models._optimizer import OptimizerSpec as OptimizerSpec
+from rudax.models._optimizer import decay_mask as decay_mask
 from rudax.models._safetensors import SafetensorsFile as SafetensorsFile
 from rudax.models._safetensors_writer import save_safetensors as save_safetensors
 from rudax.models._shard import shard as shard
 from rudax.models._shared_prefix import SharedPrefixBatch as SharedPrefixBatch
 from rudax.models._shared_prefix import pack_shared_prefix as pack_shared_prefix
+from rudax.models._spec import ModelSpec as ModelSpec
 from rudax.models._tokenizer import ModelTokenizer as ModelTokenizer
 from rudax.models._tokenizer import load_tokenizer as load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
+    "OPTIMIZERS",
     "PROJECTIONS",
     "ChatTemplate",
     "Generation",
     "KVCache",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "ModelSpec",
     "ModelTokenizer",
+    "OptimizerSpec",
     "SafetensorsFile",
     "SharedPrefixBatch",
     "causal_lm_loss_sum",
     "causal_lm_token_logprobs",
     "checkpoint_digest",
+    "decay_mask",
     "flops_per_token",
     "from_pretrained",
     "gather_adapters",
@@ -68,6 +77,7 @@ __all__ = [
     "generate",
     "load_chat_template",
     "load_tokenizer",
+    "next_token_loss_sum",
     "open_checkpoint",
     "pack_shared_prefix",
     "save_pretrained",

@@ -18,7 +18,7 @@ import rudax.kernels as rk
 import rudax.sharding as rs
 from rudax.models._llama import LlamaForCausalLM
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss_sum"]
+__all__ = ["IGNORE_INDEX", "causal_lm_loss_sum", "next_token_loss_sum"]
 
 # transformers' and torch's label of a position that is not counted.
 IGNORE_INDEX = -100
@@ -97,6 +97,41 @@ def causal_lm_loss_sum(
         total = ce_sum + config.router_aux_loss_coef * aux * count.astype(jnp.float32)
         return total, metrics
     return ce_sum, metrics
+
+
+def next_token_loss_sum(
+    model: LlamaForCausalLM, batch_BxT1: Any, *, chunk: int = 1024
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Next-token cross entropy SUMMED over a ``[B, T + 1]`` batch of a token stream's rows.
+
+    :func:`causal_lm_loss_sum` of ``tokens = batch[:, :-1]``, ``labels = batch[:, 1:]``:
+    every one of the ``B * T`` targets counts (pretraining on a stream, as nanoGPT's
+    ``x, y`` pairs). A Mixtral adds its load-balancing term as transformers does.
+
+    Args:
+      model: a ``LlamaForCausalLM``, or its ``shard``ed form inside ``jax.shard_map``.
+      batch_BxT1: integer token ids ``[B, T + 1]``, ``T >= 1``.
+      chunk: tokens per chunk of the fused head and loss.
+
+    Returns:
+      ``(loss_sum, {"tokens", "ce_sum", "aux_loss"})`` as :func:`causal_lm_loss_sum`'s.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from rudax.models import LlamaConfig, ModelSpec, next_token_loss_sum
+      >>> spec = ModelSpec(LlamaConfig.tiny(64, hidden_size=32, num_attention_heads=2), 8)
+      >>> loss, metrics = next_token_loss_sum(spec.create(0), jnp.ones((2, 9), jnp.int32))
+      >>> int(metrics["tokens"]), loss.dtype
+      (16, dtype('float32'))
+    """
+    batch_BxT1 = jnp.asarray(batch_BxT1)
+    if batch_BxT1.ndim != 2 or batch_BxT1.shape[1] < 2:
+        raise ValueError(
+            f"batch_BxT1 must be [batch, time + 1] with time >= 1, got "
+            f"batch_BxT1.shape={batch_BxT1.shape}"
+        )
+    batch = {"tokens": batch_BxT1[:, :-1], "labels": batch_BxT1[:, 1:]}
+    return causal_lm_loss_sum(model, batch, chunk=chunk)
 
 
 def head_inputs(model: Any, batch: Any, chunk: Any) -> tuple[jax.Array, Any, jax.Array, jax.Array]:

@@ -16,6 +16,7 @@ into a request the loop answers after its current update: save, then stop as ``-
 does (agreed by every process).
 ``open_checkpoints`` opens a run's checkpoints for a session's saves and ``restore_latest``
 restores one on ``--resume``, a damaged or foreign checkpoint a ``UsageError`` saying what to do.
+``format_table`` prints a timing report's fixed-width table.
 
 ``python -m rudax.run.launch --processes N [--cpu-devices K] -- COMMAND`` runs a command as N
 ``jax.distributed`` processes on this machine (``rudax.run.launch.launch`` from Python), their
@@ -48,6 +49,7 @@ from rudax.run._metrics import read_metrics as read_metrics
 from rudax.run._program import run_program as run_program
 from rudax.run._resume import open_checkpoints as open_checkpoints
 from rudax.run._resume import restore_latest as restore_latest
+from rudax.run._table import format_table as format_table
 
 __all__ = [
     "MALLOC_ENV",
@@ -62,6 +64,7 @@ __all__ = [
     "check_finite",
     "check_loss",
     "fail_fast",
+    "format_table",
     "given_flags",
     "initialize_distributed",
     "initialize_from_flags",

@@ -15,8 +15,14 @@ from benchmarks import fsdp_comm as bench
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
-TINY = ["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--vocab-size", "128"]
-TINY += ["--seq-len", "16", "--batch-size", "8"]
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    vocab_size=128,
+    seq_len=16,
+    batch_size=8,
+)
 
 # Four collectives in the three spellings of replica groups, an async all-gather, and an
 # all-to-all in a while body run 3 times.

@@ -35,18 +35,21 @@ import benchmarks.lm_trainer as bench
 import rudax.models as rm
 from benchmarks._flax_llama import RefLlama, flat_params, ref_mean_loss
 from benchmarks._lm_arms import TorchArm, torch_spec
-from examples.lm.config import build_parser
-from examples.lm.spec import ModelSpec, loss_sum
-from examples.lm.step import make_optimizer, model_spec
+from benchmarks._trainer import Recipe, trainer_recipe
+from rudax.models import ModelSpec, OptimizerSpec
+from rudax.models import next_token_loss_sum as loss_sum
 
-# A model smaller than the "tiny" preset: these tests check arithmetic, not speed.
-SMALLEST = ["--vocab-size=64", "--seq-len=16", "--d-model=32", "--n-layers=2", "--n-heads=2"]
-SMALLEST += ["--batch-size=4"]
-# As a bench preset, with --warmup=0: the first update already has the peak learning rate.
-PRESET = [*SMALLEST, "--warmup=0", "--lr=1e-2"]
-# The trainer's flags the bench builds from it with --param-dtype=float32 (the optimizer is
-# pinned by the bench: the one the references implement).
-ARGV = [*PRESET, "--optimizer=adamw", "--compute-dtype=float32", "--param-dtype=float32"]
+# A model smaller than the "tiny" preset: these tests check arithmetic, not speed. As a bench
+# preset, with no warmup: the first update already has the peak learning rate.
+PRESET = dict(
+    vocab_size=64, seq_len=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    batch_size=4, optimizer_fields=dict(warmup_steps=0, learning_rate=1e-2),
+)  # fmt: skip
+
+
+def _recipe():
+    """The recipe the bench builds from PRESET at fp32 storage (and AdamW, the references')."""
+    return trainer_recipe(**PRESET, compute_dtype="float32", param_dtype="float32")
 
 
 # Beside the trainer's own layout (tied, as many key/value heads as query heads): the other
@@ -55,21 +58,21 @@ GQA_UNTIED = {"num_key_value_heads": 1, "tie_word_embeddings": False}
 
 
 def _setup(**fields):
-    args = build_parser().parse_args(ARGV)
-    spec = model_spec(args)
+    recipe = _recipe()
+    spec = recipe.spec
     if fields:
         spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, **fields))
     model = spec.create(0)
     rng = np.random.default_rng(0)
-    shape = (args.batch_size, spec.seq_len + 1)
+    shape = (recipe.batch_size, spec.seq_len + 1)
     batch = rng.integers(0, spec.config.vocab_size, shape, np.int32)
-    return args, spec, model, batch
+    return dataclasses.replace(recipe, spec=spec), model, batch
 
 
-def _rudax_trajectory(args, model, batch, updates):
+def _rudax_trajectory(recipe, model, batch, updates):
     """Mean losses before each of `updates` updates by the trainer's optimizer, from model."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(args)
+    tx = recipe.optimizer.build()
     loss_fn = lambda p: loss_sum(nnx.merge(graphdef, p, rest), batch)[0] / batch[:, 1:].size
 
     @jax.jit
@@ -86,7 +89,7 @@ def _rudax_trajectory(args, model, batch, updates):
 
 
 def test_load_refuses_other_parameters():
-    spec = model_spec(build_parser().parse_args(ARGV))
+    spec = _recipe().spec
     arrays = flat_params(spec.create(0))
     RefLlama.from_arrays(spec.config, arrays, dtype=jnp.float32)  # all present: loads
     del arrays["model.norm.scale"]
@@ -95,12 +98,12 @@ def test_load_refuses_other_parameters():
 
 
 def test_references_refuse_what_they_do_not_implement(tmp_path):
-    args = build_parser().parse_args(ARGV)
     config = rm.LlamaConfig.tiny(64, hidden_size=32, num_attention_heads=2, qkv_bias=True)
     with pytest.raises(ValueError, match=r"\{'qkv_bias': True\}"):
         RefLlama(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="qkv_bias"):
-        torch_spec(args, ModelSpec(config, 16), threads=1, workdir=tmp_path)
+        recipe = Recipe(ModelSpec(config, 16), OptimizerSpec("adamw"), batch_size=4)
+        torch_spec(recipe, threads=1, workdir=tmp_path)
 
 
 def _ref_and_rudax(config, batch):
@@ -287,8 +290,8 @@ def _torch_python():
 )
 @pytest.mark.parametrize("fields", [{}, GQA_UNTIED], ids=["trainer", "gqa-untied"])
 def test_torch_reference_is_the_trainers_model_and_update(tmp_path, fields):
-    args, spec, model, batch = _setup(**fields)
-    child = torch_spec(args, spec, threads=1, workdir=tmp_path)
+    recipe, model, batch = _setup(**fields)
+    child = torch_spec(recipe, threads=1, workdir=tmp_path)
     np.savez(child["arrays"], batch=batch, **flat_params(model))
     arm = TorchArm(_torch_python(), child, tmp_path, "eager")
     try:
@@ -296,4 +299,4 @@ def test_torch_reference_is_the_trainers_model_and_update(tmp_path, fields):
         losses = [first, *(arm() or arm.loss for _ in range(2))]
     finally:
         arm.close()
-    np.testing.assert_allclose(losses, _rudax_trajectory(args, model, batch, 3), rtol=1e-5)
+    np.testing.assert_allclose(losses, _rudax_trajectory(recipe, model, batch, 3), rtol=1e-5)

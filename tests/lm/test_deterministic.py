@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 from examples.lm import train
-from examples.lm.spec import ModelSpec, loss_sum
-from rudax.models import LlamaConfig
+from rudax.models import LlamaConfig, ModelSpec
+from rudax.models import next_token_loss_sum as loss_sum
 from tests.kernels._lowering import export
 from tests.lm.conftest import TINY
 

@@ -3,7 +3,7 @@
 The reference is ``compiled.memory_analysis()`` of the steps the programs really run
 (``rudax.sharding.make_train_steps``, the trainer's on 8 simulated CPU devices, the
 fine-tuner's on one), built as the programs build them: a ``rudax.models.LlamaForCausalLM``
-of ``examples.lm.spec.ModelSpec``. The resident state must agree to the byte with XLA's
+of ``rudax.models.ModelSpec``. The resident state must agree to the byte with XLA's
 argument bytes of the update; what each step adds (XLA: output + temp - aliased bytes) within
 TOLERANCE. When the planner was written, planned over measured was 0.79-1.30 for a
 microbatch (the transient model is the rough part: XLA:CPU's buffer assignment does not
@@ -37,8 +37,8 @@ import rudax.optim as ro
 import rudax.sharding as rs
 from examples.lm import plan as pl
 from examples.lm import plan_xla
-from examples.lm.spec import loss_sum, shard
-from examples.lm.step import make_optimizer
+from examples.lm.step import make_optimizer, shard
+from rudax.models import next_token_loss_sum as loss_sum
 
 TOLERANCE = 0.35
 SMALL = "--vocab-size 2048 --d-model 128 --n-layers 4 --n-heads 4 --seq-len 128 --batch-size 16"

@@ -19,8 +19,8 @@ from flax import nnx
 
 from examples.lm import config as cfg
 from examples.lm import train
-from examples.lm.spec import ModelSpec, loss_sum
-from rudax.models import LlamaConfig
+from rudax.models import LlamaConfig, ModelSpec
+from rudax.models import next_token_loss_sum as loss_sum
 from tests.lm.conftest import TINY
 from tests.lm.test_train import _losses
 

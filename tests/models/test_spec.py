@@ -1,9 +1,9 @@
-"""examples/lm/spec.py: the trainer's model built from its flags, and its loss's contract.
+"""rudax.models.ModelSpec and next_token_loss_sum: the trainer's model and its loss's contract.
 
 The model itself (``rudax.models.LlamaForCausalLM``) is checked against transformers in
-tests/models; here: the flags become the config the trainer records, the ``[B, T + 1]``
-loss is NumPy's cross entropy summed (plus a Mixtral's balancing term), token-weighted
-accumulation of it gives the mean loss's gradient, and a bf16 model learns a repeated batch.
+test_hf_logits.py; here: the ``[B, T + 1]`` loss is NumPy's cross entropy summed (plus a
+Mixtral's balancing term), token-weighted accumulation of it gives the mean loss's gradient,
+and a bf16 model learns a repeated batch.
 """
 
 import dataclasses
@@ -16,10 +16,8 @@ import pytest
 from flax import nnx
 
 import rudax.optim as ro
-from examples.lm.config import build_parser
-from examples.lm.spec import ModelSpec, loss_sum
-from examples.lm.step import model_spec
-from rudax.models import LlamaConfig
+from rudax.models import LlamaConfig, ModelSpec
+from rudax.models import next_token_loss_sum as loss_sum
 
 F32 = LlamaConfig.tiny(
     32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
@@ -35,26 +33,7 @@ def _batch(b, t, *, seed=0):
     return np.random.default_rng(seed).integers(0, 32, size=(b, t), dtype=np.int32)
 
 
-def test_the_flags_make_the_tiny_preset_and_a_mixtral():
-    args = build_parser().parse_args(["--vocab-size", "300", "--d-model", "64"])
-    spec = model_spec(args, vocab_size=290)  # the tokenizer's vocabulary wins
-    assert spec.config == LlamaConfig.tiny(290, hidden_size=64, max_position_embeddings=256)
-    assert (spec.seq_len, spec.dtype, spec.remat, spec.scan_layers) == (
-        256,
-        np.dtype(jnp.float32),
-        "none",
-        False,
-    )
-    moe = model_spec(build_parser().parse_args(["--moe", "--top-k", "1"]))
-    c = moe.config
-    assert (c.model_type, c.num_local_experts, c.num_experts_per_tok) == ("mixtral", 4, 1)
-    assert (c.router_aux_loss_coef, c.output_router_logits) == (0.01, True)
-    assert hash(moe) == hash(model_spec(build_parser().parse_args(["--moe", "--top-k", "1"])))
-    with pytest.raises(ValueError, match="--d-model 30 must be a multiple of --n-heads 4"):
-        model_spec(build_parser().parse_args(["--d-model", "30", "--n-heads", "4"]))
-
-
-def test_loss_sum_is_numpy_cross_entropy_summed_plus_the_balancing_term():
+def test_next_token_loss_sum_is_numpy_cross_entropy_summed_plus_the_balancing_term():
     model = ModelSpec(MIXTRAL, 8, loss_chunk=5).create(0)
     batch = _batch(3, 7)
     run = nnx.jit(lambda m, b: (m(b[:, :-1]), m.hidden_states(b[:, :-1])[2], loss_sum(m, b)))
@@ -118,3 +97,10 @@ def test_a_bad_batch_is_named():
         loss_sum(model, jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match=r"time >= 1.*\(2, 1\)"):
         loss_sum(model, jnp.zeros((2, 1), jnp.int32))
+
+
+def test_equal_specs_are_equal_and_hash_alike():
+    """The spec is the jitted builder's static argument: one spelling of a dtype, one cache key."""
+    spec = ModelSpec(F32, 8, dtype="float32")
+    assert spec == ModelSpec(F32, 8, dtype=jnp.float32) and hash(spec) == hash(ModelSpec(F32, 8))
+    assert spec != ModelSpec(F32, 8, dtype=jnp.bfloat16)
