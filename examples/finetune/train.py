@@ -62,7 +62,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,69 +110,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring. ``given``: the flags on the
     command line (None: those that differ from their defaults)."""
-    # --------------------------------------------------------------------------- processes
-    # First, before anything starts a JAX backend.
-    try:
-        multi = rr.initialize_from_flags(config)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    if multi and not (config.run_dir or config.name):
-        # the default name is the time, which each process reads for itself
-        raise UsageError("several processes write one run: give it a --name or --run-dir")
-
     # --------------------------------------------------------------------------- config
-    run_dir = _run_dir(config)
-    if config.resume:
-        config = _run_flags(config, run_dir, given)  # the run's flags, this session's on top
-    elif (run_dir / "config.json").exists():
-        _check_finetune_run(run_dir)
-        raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
-    _check_flags(config, run_dir)
-    stop = config.steps if config.stop_at is None else min(config.stop_at, config.steps)
-    base_dir = _base_dir(config.base)
-    train_path, val_path, generated = _data_paths(config)
-    too_long = config.too_long or ("drop" if generated else "error")
-    if multi and not config.mesh:
-        raise UsageError(
-            "several processes tune one model over a mesh of all their devices: give --mesh "
-            "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
-        )
-    rr.retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
-    try:
-        mesh = None if not config.mesh else rs.make_mesh(config.mesh)
-    except ValueError as e:
-        raise UsageError(f"--mesh {e}") from e
-    if multi:  # every process has checked the run directory before any writes to it
-        multihost_utils.sync_global_devices("examples.finetune: checked")
+    run = _configure(config, given)  # every check that needs no data, before anything is written
+    config, run_dir, base_dir, mesh, multi = (
+        run.config,
+        run.run_dir,
+        run.base_dir,
+        run.mesh,
+        run.multi,
+    )
+    stop = run.stop
     # Process 0 writes the run's files, logs and prints.
     primary = jax.process_index() == 0
     say = print if primary else lambda *a, **k: None
 
     # --------------------------------------------------------------------------- data
-    try:
-        tokenizer = rm.load_tokenizer(base_dir)
-        hf_config = json.loads((base_dir / "config.json").read_text())
-        limit = hf_config.get("max_position_embeddings")
-        if limit is not None and config.seq_len > limit:
-            raise UsageError(
-                f"--seq-len {config.seq_len}: the base has {limit} positions "
-                f"(max_position_embeddings in {base_dir / 'config.json'})"
-            )
-        read = lambda path, shuffle: FinetuneData(
-            path,
-            tokenizer,
-            seq_len=config.seq_len,
-            batch_size=config.batch_size,
-            seed=config.seed,
-            pack=config.pack,
-            shuffle=shuffle,
-            too_long=too_long,
-            vocab_size=hf_config.get("vocab_size"),
-        )
-        train_data = read(train_path, True)
-        val_data = None if val_path is None else read(val_path, False)
-    except (DataError, ValueError) as e:
-        raise UsageError(str(e)) from e
+    tokenizer, hf_config, train_data, val_data = _read_data(config, run)
     val_batches = [] if val_data is None else val_data.eval_batches()[: config.eval_batches]
     for name, data in (("--data", train_data), ("--val-data", val_data)):
         if data is not None and data.dropped:
@@ -182,44 +135,8 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
             )
 
     # --------------------------------------------------------------------------- model
-    quantize = None if config.quantize == "none" else config.quantize
-    param_dtype, dtype = DTYPES[config.param_dtype], DTYPES[config.dtype]
-    load_kw = dict(
-        param_dtype=param_dtype,
-        dtype=dtype,
-        quantize=quantize,
-        absmax_rounding=config.absmax_rounding,
-    )
-    adapted: list[str] = []
-
-    def add_adapters(m: rm.LlamaForCausalLM) -> None:
-        try:
-            adapted[:] = rl.apply_lora(
-                m,
-                config.targets,
-                rank=config.rank,
-                alpha=config.alpha,
-                dropout=config.dropout,
-                rngs=nnx.Rngs(config.seed),
-            )
-        except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
-            raise UsageError(f"--targets {','.join(config.targets)}: {e}") from e
-
-    # A run started before the files' digest checks the model's, which needs it whole.
-    legacy = base_.legacy_run(run_dir, config.resume)
-    digests: list[str] = []
-    try:
-        model, trained = base_.load(
-            base_dir,
-            None if legacy else mesh,
-            add_adapters,
-            loaded=(lambda m: digests.append(base_.model_digest(hf_config, m))) if legacy else None,
-            scan_layers=config.scan_layers,
-            **load_kw,
-        )
-    except ValueError as e:
-        raise UsageError(f"--base {base_dir}: {e}") from e
-    base_digest = digests[0] if legacy else rm.checkpoint_digest(base_dir)
+    held = _Held(config)  # how the base is held, and the adapters added to it
+    model, trained, base_digest, legacy = _load_base(config, run, hf_config, held)
     n_base = base_.parameter_count(trained.config)
     # Over a mesh with fsdp, the model the step holds is sharded; `model`, if the base was
     # loaded whole (a legacy run), keeps the whole one for sampling and the adapter file.
@@ -337,8 +254,8 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
         )
     say(
         f"{base_dir}: {n_base:,} base parameters in {base_bytes:,} bytes "
-        f"({'NF4' if quantize else config.param_dtype}); LoRA r={config.rank} on {len(adapted)} "
-        f"layers: {n_adapters:,} trained. {train_data.num_examples} examples "
+        f"({'NF4' if held.quantized else config.param_dtype}); LoRA r={config.rank} on "
+        f"{len(held.adapted)} layers: {n_adapters:,} trained. {train_data.num_examples} examples "
         f"({train_data.path}), updates {step + 1} to {stop} of {config.steps}{where}"
     )
     if step == 0:
@@ -423,7 +340,7 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
         "base_sha256": base_digest,
         "base_bytes": base_bytes,
         "base_device_bytes": base_device_bytes,
-        "adapted": adapted,
+        "adapted": held.adapted,
         "samples": samples,
         **last,
         "peak_rss_bytes": _peak_rss_bytes(),
@@ -443,7 +360,7 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
         when = f"update {step}"
         samples[step] = _sample(sampler, tokenizer, sample_data, config.sample_tokens, when)
     if model is None:  # read onto the mesh: the adapters gathered into a model of no weights
-        saver = rm.gather_adapters(trained, add_adapters)
+        saver = rm.gather_adapters(trained, held.add_adapters)
     else:
         saver = model
         model.scan_layers = False  # peft's files name each layer's adapters (converted in place)
@@ -454,11 +371,13 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
     rl.save_adapter(saver, out, base_model_name_or_path=str(base_dir))
     # How the base was held, for examples.generate to load it so (a QLoRA adapter on the
     # unquantized base computes another function); peft reads only its own two files.
-    held = {k: getattr(config, k) for k in ("quantize", "param_dtype", "dtype", "absmax_rounding")}
-    (out / "rudax_base.json").write_text(json.dumps(held, indent=1) + "\n")
+    how = {k: getattr(config, k) for k in ("quantize", "param_dtype", "dtype", "absmax_rounding")}
+    (out / "rudax_base.json").write_text(json.dumps(how, indent=1) + "\n")
     if config.merged:
         if model is None:  # the base whole, only now, with the trained adapters on
-            _, merged = base_.load(base_dir, None, add_adapters, scan_layers=False, **load_kw)
+            _, merged = base_.load(
+                base_dir, None, held.add_adapters, scan_layers=False, **held.load_kw
+            )
             nnx.update(merged, nnx.state(saver, rl.LoRAParam))
         else:
             merged = nnx.clone(model)  # the returned model keeps its adapters
@@ -476,6 +395,146 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+class _Run(NamedTuple):
+    """What the configuration step decided: the flags (a resumed run's with this session's on
+    top), where the run, the base and the data are, and the mesh."""
+
+    config: FinetuneConfig
+    run_dir: Path
+    stop: int  # the last update of this session
+    base_dir: Path
+    train_path: Path
+    val_path: Path | None
+    too_long: str  # what --too-long means for this data: "error" or "drop"
+    mesh: jax.sharding.Mesh | None
+    multi: bool  # several processes
+
+
+def _configure(config: FinetuneConfig, given: set[str] | None) -> _Run:
+    """The processes joined and every flag checked against the disk (the run directory, the
+    base, the data's paths) and the devices: a refusal comes before anything is written."""
+    # First, before anything starts a JAX backend.
+    try:
+        multi = rr.initialize_from_flags(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if multi and not (config.run_dir or config.name):
+        # the default name is the time, which each process reads for itself
+        raise UsageError("several processes write one run: give it a --name or --run-dir")
+
+    run_dir = _run_dir(config)
+    if config.resume:
+        config = _run_flags(config, run_dir, given)  # the run's flags, this session's on top
+    elif (run_dir / "config.json").exists():
+        _check_finetune_run(run_dir)
+        raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
+    _check_flags(config, run_dir)
+    stop = config.steps if config.stop_at is None else min(config.stop_at, config.steps)
+    base_dir = _base_dir(config.base)
+    train_path, val_path, generated = _data_paths(config)
+    too_long = config.too_long or ("drop" if generated else "error")
+    if multi and not config.mesh:
+        raise UsageError(
+            "several processes tune one model over a mesh of all their devices: give --mesh "
+            "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
+        )
+    rr.retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
+    try:
+        mesh = None if not config.mesh else rs.make_mesh(config.mesh)
+    except ValueError as e:
+        raise UsageError(f"--mesh {e}") from e
+    if multi:  # every process has checked the run directory before any writes to it
+        multihost_utils.sync_global_devices("examples.finetune: checked")
+    return _Run(config, run_dir, stop, base_dir, train_path, val_path, too_long, mesh, multi)
+
+
+class _Held:
+    """How the base is held (``--quantize``, ``--param-dtype``, ``--dtype``,
+    ``--absmax-rounding``) and the adapters put on it (``--targets``, ``--rank``, ...), for
+    each model the run loads: the trained one, and the merged one ``--merged`` writes."""
+
+    def __init__(self, config: FinetuneConfig) -> None:
+        self.config = config
+        self.quantized = config.quantize != "none"
+        self.load_kw: dict[str, Any] = dict(
+            param_dtype=DTYPES[config.param_dtype],
+            dtype=DTYPES[config.dtype],
+            quantize=config.quantize if self.quantized else None,
+            absmax_rounding=config.absmax_rounding,
+        )
+        self.adapted: list[str] = []  # the module paths adapted, once a model has been
+
+    def add_adapters(self, m: rm.LlamaForCausalLM) -> None:
+        config = self.config
+        try:
+            self.adapted[:] = rl.apply_lora(
+                m,
+                config.targets,
+                rank=config.rank,
+                alpha=config.alpha,
+                dropout=config.dropout,
+                rngs=nnx.Rngs(config.seed),
+            )
+        except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
+            raise UsageError(f"--targets {','.join(config.targets)}: {e}") from e
+
+
+def _load_base(
+    config: FinetuneConfig, run: _Run, hf_config: dict[str, Any], held: _Held
+) -> tuple[rm.LlamaForCausalLM | None, rm.LlamaForCausalLM, str, bool]:
+    """The base with its adapters: ``(model, trained, base_digest, legacy)``, ``trained``
+    read onto the mesh (each process its shards) or whole; ``model`` the whole one when a
+    run started before the files' digest needs the model's (``legacy``), else None."""
+    # A run started before the files' digest checks the model's, which needs it whole.
+    legacy = base_.legacy_run(run.run_dir, config.resume)
+    digests: list[str] = []
+    try:
+        model, trained = base_.load(
+            run.base_dir,
+            None if legacy else run.mesh,
+            held.add_adapters,
+            loaded=(lambda m: digests.append(base_.model_digest(hf_config, m))) if legacy else None,
+            scan_layers=config.scan_layers,
+            **held.load_kw,
+        )
+    except ValueError as e:
+        raise UsageError(f"--base {run.base_dir}: {e}") from e
+    base_digest = digests[0] if legacy else rm.checkpoint_digest(run.base_dir)
+    return model, trained, base_digest, legacy
+
+
+def _read_data(
+    config: FinetuneConfig, run: _Run
+) -> tuple[rm.ModelTokenizer, dict[str, Any], FinetuneData, FinetuneData | None]:
+    """The base's tokenizer and config.json, and the data read with it (``--data``, and
+    ``--val-data`` if any); a bad file, line or length is a UsageError naming it."""
+    try:
+        tokenizer = rm.load_tokenizer(run.base_dir)
+        hf_config = json.loads((run.base_dir / "config.json").read_text())
+        limit = hf_config.get("max_position_embeddings")
+        if limit is not None and config.seq_len > limit:
+            raise UsageError(
+                f"--seq-len {config.seq_len}: the base has {limit} positions "
+                f"(max_position_embeddings in {run.base_dir / 'config.json'})"
+            )
+        read = lambda path, shuffle: FinetuneData(
+            path,
+            tokenizer,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            pack=config.pack,
+            shuffle=shuffle,
+            too_long=run.too_long,
+            vocab_size=hf_config.get("vocab_size"),
+        )
+        train_data = read(run.train_path, True)
+        val_data = None if run.val_path is None else read(run.val_path, False)
+    except (DataError, ValueError) as e:
+        raise UsageError(str(e)) from e
+    return tokenizer, hf_config, train_data, val_data
 
 
 @jax.jit

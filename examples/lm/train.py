@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ import rudax.sharding as rs
 from examples.lm import config as cfg
 from examples.lm import guard, hf_init
 from examples.lm.corpus import CorpusError
-from examples.lm.data import ShardError
+from examples.lm.data import ShardError, TokenLoader
 from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
 from examples.lm.step import make_optimizer, model_spec, optimizer_spec, shard
 from examples.lm.timing import profile
@@ -98,14 +98,265 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring."""
-    # --------------------------------------------------------------------------- processes
+    # --------------------------------------------------------------------------- config
+    run = _configure(flags, given)  # every check that needs no data, before anything is written
+    flags, run_dir, hf_dir, multi, stop = run.flags, run.run_dir, run.hf_dir, run.multi, run.stop
+
+    # --------------------------------------------------------------------------- mesh
+    # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
+    rr.retain_freed_memory()
+    mesh = _mesh(flags.mesh)
+    # Process 0 writes the run's files, logs and prints; every process reads its own rows of
+    # each batch (rows [p * b, (p + 1) * b) of the global batch, b = batch_size / processes).
+    primary, process, processes = jax.process_index() == 0, jax.process_index(), jax.process_count()
+    say = print if primary else lambda *a, **k: None
+
+    # --------------------------------------------------------------------------- data
+    data = _open_data(flags, hf_dir, multi=multi, primary=primary)
+    train_data, vocab_size = data.train, data.vocab_size
+    val_batches = data.val.eval_batches(flags.eval_batches, shard=process, num_shards=processes)
+    put = lambda b: b if mesh is None else rs.put_batch(b, mesh, flags.batch_size)
+    # the train state where the steps keep it: fresh zeros and restored arrays alike
+    place = lambda tree: tree if mesh is None else rs.place(tree, mesh)
+
+    # --------------------------------------------------------------------------- model
+    spec = model_spec(flags, vocab_size)  # the tokenizer's vocabulary
+    config = spec.config
+    model, n_params = _model(spec, hf_dir, mesh, seed=flags.seed, say=say)
+    # rngs: the model's RNG state (empty: no dropout); rest: what is neither (no buffers)
+    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    params, rngs, rest = place((params, rngs, rest))
+    del model
+    if run.init_from is not None:
+        # Before the optimizer state is built from them: its fp32 masters start as copies of
+        # these weights, and the first update writes the masters into the parameters.
+        params = _init_from(run.init_from, params)
+
+    # --------------------------------------------------------------------------- optimizer
+    tx = make_optimizer(flags, mesh)
+    lr_at = jax.jit(optimizer_spec(flags).schedule(flags.lr))  # the lr of update s is lr_at(s - 1)
+    opt_state = place(jax.jit(tx.init)(params))
+    acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32))
+
+    # --------------------------------------------------------------------------- step
+    # --profile times each step repeatedly on the same inputs, which donation would delete.
+    loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
+    steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not flags.profile)
+    microbatch = lambda s, a: put(
+        train_data.batch((s - 1) * flags.grad_accum + a, shard=process, num_shards=processes)
+    )
+    if flags.profile:
+        table = profile(
+            steps,
+            (params, rngs, rest),
+            opt_state,
+            acc,
+            [microbatch(1, a) for a in range(flags.grad_accum)],
+            flops_per_token=rm.flops_per_token(config, spec.seq_len),
+            trace_dir=flags.trace,
+        )
+        say(table + (f"\ntrace written to {flags.trace}" if flags.trace else ""))
+        return {"profile": table}
+
+    def evaluate() -> float:
+        ce, n = 0.0, 0
+        for b in val_batches:
+            m = steps.evaluate(params, rngs, rest, put(b))
+            ce, n = ce + float(m["ce_sum"]), n + int(m["tokens"])
+        return ce / n
+
+    # --------------------------------------------------------------------------- checkpoint
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(flags.as_dict(), indent=1) + "\n")
+    # No RNG key to keep: the model has no dropout and batch i is drawn from (seed, i), so
+    # the update count is the whole data position; the schedule's is in the optimizer state.
+    record = lambda step, tokens: rc.TrainingRecord.capture(
+        model=params,
+        optimizer=opt_state,
+        accumulator=acc,
+        state={"step": step, "tokens": tokens},
+        config=run.run_config,
+    )
+    step, tokens = 0, 0
+    if flags.resume:
+        restored = _resume(run_dir, record(0, 0), flags.resume_step, keep=flags.keep, say=say)
+        params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
+        step, tokens = restored.state["step"], restored.state["tokens"]
+        say(f"resumed {run_dir} at update {step} of {flags.steps}")
+    checkpointer = rr.open_checkpoints(run_dir, keep=flags.keep)
+    skips = guard.SkipWatch(flags.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
+
+    # --------------------------------------------------------------------------- loop
+    events = run_dir / "tensorboard" if flags.tensorboard and primary else None
+    log = rr.MetricsLog(
+        run_dir / "metrics.jsonl",
+        resume_step=step if flags.resume else None,
+        tensorboard=events,
+        writer=primary,  # the run's one log, by process 0
+    )
+    tokens_per_update = flags.batch_size * flags.seq_len * flags.grad_accum
+    where = f" over mesh {rs.mesh_text(flags.mesh)}" if mesh is not None else ""
+    if processes > 1:
+        where += f" of {processes} processes"
+    say(
+        f"training a {n_params:,}-parameter {config.model_type} model{where} on {data.directory}, "
+        f"updates {step + 1} to {stop} of {flags.steps}, {tokens_per_update:,} tokens each"
+    )
+    if step == 0:
+        log.write(kind="eval", step=0, val_loss=evaluate())
+    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True, disable=not primary)
+    note = bar.write if primary else say  # a line above the bar
+    last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
+    clock, clock_tokens = None, tokens
+    # Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the run
+    # ends as --stop-at ends it (every process after the same update).
+    with rr.Interruptions() as interrupt:
+        try:
+            while step < stop:
+                step += 1
+                window = []
+                for a in range(flags.grad_accum):
+                    acc, rngs, m = steps.micro(params, rngs, acc, rest, microbatch(step, a))
+                    window.append(m)
+                params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
+                tokens += tokens_per_update
+                # One transfer per update, which waits for it (so the bar counts finished
+                # updates): the loss, the gradient norm and the optimizer's skip count together.
+                window, norm, skipped_so_far = jax.device_get(
+                    (window, norm, guard.num_skipped(opt_state))
+                )
+                loss = sum(float(m["ce_sum"]) for m in window) / sum(
+                    int(m["tokens"]) for m in window
+                )
+                rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
+                if skips.update(step, skipped_so_far):
+                    note(
+                        f"update {step}: skipped by the optimizer (its gradients were not finite); "
+                        f"{skipped_so_far} skipped so far"
+                    )
+                if (
+                    clock is None
+                ):  # the session's first update compiled the steps: time from its end
+                    clock, clock_tokens = time.perf_counter(), tokens
+                elapsed = time.perf_counter() - clock
+                rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
+                lr = float(lr_at(step - 1))
+                last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
+                bar.set_postfix(
+                    loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
+                )
+                bar.update(1)
+                if step % flags.log_every == 0 or step == stop:
+                    aux = [float(m["aux_loss"]) for m in window] if config.num_local_experts else []
+                    log.write(
+                        kind="train",
+                        step=step,
+                        loss=loss,
+                        lr=lr,
+                        grad_norm=float(norm),
+                        tokens=tokens,
+                        tokens_per_s=rate,
+                        # fp32_master's count of skipped updates; a Mixtral's balancing loss
+                        **({} if skipped_so_far is None else {"skipped": int(skipped_so_far)}),
+                        **({"aux_loss": float(np.mean(aux))} if aux else {}),
+                    )
+                paused = False
+                if step % flags.eval_every == 0 or step == flags.steps:
+                    last["val_loss"] = evaluate()
+                    log.write(kind="eval", step=step, val_loss=last["val_loss"])
+                    note(
+                        f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
+                        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+                    )
+                    paused = True
+                halt = interrupt.stop_after(step)  # every update, on every process
+                if step % flags.checkpoint_every == 0 or step == stop or halt:
+                    # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
+                    rr.check_finite(params, step=step, latest=checkpointer.latest_step)
+                    checkpointer.save(step, record(step, tokens))
+                    paused = True
+                if paused:  # evaluation and checkpoint time are not training throughput
+                    clock, clock_tokens = time.perf_counter(), tokens
+                if halt:
+                    break
+        except BaseException:  # a halt, an interrupt: what was logged reaches the disk
+            log.close()
+            raise
+        finally:
+            bar.close()
+            checkpointer.close()
+
+    # --------------------------------------------------------------------------- report
+    if step == flags.steps:
+        log.write(
+            kind="end",
+            step=step,
+            loss=last["loss"],
+            val_loss=last["val_loss"],
+            tokens=tokens,
+            tokens_per_s=last["tokens_per_s"],
+        )
+    log.close()
+    plot = run_dir / "loss.png"
+    if primary:
+        title = f"{run_dir.name}: {config.num_hidden_layers}x{config.hidden_size} "
+        title += f"{config.model_type}, {flags.optimizer}"
+        rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
+    if step < flags.steps:
+        why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
+        say(
+            f"stopped at update {step} of {flags.steps} ({why}); continue with: "
+            f"python -m examples.lm.train --resume --run-dir {run_dir}"
+        )
+    say(
+        f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
+        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
+    )
+    say(f"metrics: {log.path}\nloss curve: {plot}\ncheckpoints: {checkpointer.directory}")
+    if events is not None:
+        say(f"tensorboard: {events} (view with: tensorboard --logdir {events})")
+    compilations = {
+        name: getattr(steps, name)._cache_size() for name in ("micro", "apply", "evaluate")
+    }
+    return {
+        "run_dir": str(run_dir),
+        "metrics": str(log.path),
+        "plot": str(plot),
+        "tensorboard": None if events is None else str(events),
+        "step": step,
+        "interrupted": interrupt.signal_name,
+        **last,
+        "compilations": compilations,
+    }
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+class _Run(NamedTuple):
+    """What the configuration step decided: the flags (a resumed run's, or an HF
+    directory's shape), where the run lives and what it starts from."""
+
+    flags: cfg.TrainConfig
+    run_dir: Path
+    hf_dir: Path | None  # --init-from a Hugging Face directory
+    init_from: Path | None  # --init-from a run's checkpoints
+    run_config: dict[str, Any]  # what the checkpoints record
+    stop: int  # the last update of this session
+    multi: bool  # several processes
+
+
+def _configure(flags: cfg.TrainConfig, given: set[str]) -> _Run:
+    """The processes joined, the flags checked (a resumed run's with this session's on top),
+    and every check that needs no data done: a bad flag is refused before anything is
+    written or the corpus prepared."""
     # First, before anything starts a JAX backend (reading checkpoints does).
     try:
         multi = rr.initialize_from_flags(flags)
     except ValueError as e:
         raise UsageError(str(e)) from e
 
-    # --------------------------------------------------------------------------- config
     cfg.check_session(flags)
     if multi and not (flags.run_dir or flags.name):
         # the default name is the time, which each process reads for itself
@@ -157,17 +408,20 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         )
     if multi:  # every process has checked the run directory before any writes to it
         multihost_utils.sync_global_devices("examples.lm.train: checked")
+    return _Run(flags, run_dir, hf_dir, init_from, run_config, stop, multi)
 
-    # --------------------------------------------------------------------------- mesh
-    # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
-    rr.retain_freed_memory()
-    mesh = _mesh(flags.mesh)
-    # Process 0 writes the run's files, logs and prints; every process reads its own rows of
-    # each batch (rows [p * b, (p + 1) * b) of the global batch, b = batch_size / processes).
-    primary, process, processes = jax.process_index() == 0, jax.process_index(), jax.process_count()
-    say = print if primary else lambda *a, **k: None
 
-    # --------------------------------------------------------------------------- data
+class _Data(NamedTuple):
+    directory: Path
+    vocab_size: int  # the tokenizer's
+    train: TokenLoader  # batch i is a pure function of (seed, i)
+    val: TokenLoader
+
+
+def _open_data(flags: cfg.TrainConfig, hf_dir: Path | None, *, multi: bool, primary: bool) -> _Data:
+    """The corpus prepared (once: tokenized into checked shards) and its splits opened; a
+    preparation with other settings, a damaged shard or a bad corpus is a UsageError saying
+    how to rebuild it."""
     data_dir = Path(flags.data_dir or _default_data_dir(flags.data))
     # The trainer has no --force: rebuilding a data folder that other runs read is
     # examples.lm.prepare's job, named here with the flags that do it.
@@ -188,10 +442,7 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         loader = lambda split: open_split(
             data_dir, split, seq_len=flags.seq_len, batch_size=flags.batch_size, seed=flags.seed
         )
-        train_data = loader("train")
-        val_batches = loader("val").eval_batches(
-            flags.eval_batches, shard=process, num_shards=processes
-        )
+        train_data, val_data = loader("train"), loader("val")
         if hf_dir is not None:
             hf_init.check_tokenizer(hf_dir, data_dir)
     except PreparationConflict as e:
@@ -204,234 +455,7 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         raise UsageError(f"data: {e}; prepare it again with: {rebuild}") from e
     except (CorpusError, ValueError) as e:
         raise UsageError(f"data: {e}") from e
-    put = lambda b: b if mesh is None else rs.put_batch(b, mesh, flags.batch_size)
-    # the train state where the steps keep it: fresh zeros and restored arrays alike
-    place = lambda tree: tree if mesh is None else rs.place(tree, mesh)
-
-    # --------------------------------------------------------------------------- model
-    spec = model_spec(flags, vocab_size)  # the tokenizer's vocabulary
-    config = spec.config
-    fsdp = mesh is not None and "fsdp" in mesh.axis_names
-    if hf_dir is None:
-        model = spec.create(flags.seed)
-    else:
-        # Over an fsdp mesh each process reads only its devices' shards of the checkpoint.
-        model = hf_init.load_model(hf_dir, spec, mesh=mesh if fsdp else None)
-        say(f"initialized from the Hugging Face checkpoint {hf_dir}")
-    n_params = _parameter_count(model)
-    if fsdp and hf_dir is None:
-        model = shard(model, mesh)
-    # rngs: the model's RNG state (empty: no dropout); rest: what is neither (no buffers)
-    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-    params, rngs, rest = place((params, rngs, rest))
-    del model
-    if init_from is not None:
-        # Before the optimizer state is built from them: its fp32 masters start as copies of
-        # these weights, and the first update writes the masters into the parameters.
-        params = _init_from(init_from, params)
-
-    # --------------------------------------------------------------------------- optimizer
-    tx = make_optimizer(flags, mesh)
-    lr_at = jax.jit(optimizer_spec(flags).schedule(flags.lr))  # the lr of update s is lr_at(s - 1)
-    opt_state = place(jax.jit(tx.init)(params))
-    acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32))
-
-    # --------------------------------------------------------------------------- step
-    # --profile times each step repeatedly on the same inputs, which donation would delete.
-    loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
-    steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not flags.profile)
-    microbatch = lambda s, a: put(
-        train_data.batch((s - 1) * flags.grad_accum + a, shard=process, num_shards=processes)
-    )
-    if flags.profile:
-        table = profile(
-            steps,
-            (params, rngs, rest),
-            opt_state,
-            acc,
-            [microbatch(1, a) for a in range(flags.grad_accum)],
-            flops_per_token=rm.flops_per_token(config, spec.seq_len),
-            trace_dir=flags.trace,
-        )
-        say(table + (f"\ntrace written to {flags.trace}" if flags.trace else ""))
-        return {"profile": table}
-
-    def evaluate() -> float:
-        ce, n = 0.0, 0
-        for b in val_batches:
-            m = steps.evaluate(params, rngs, rest, put(b))
-            ce, n = ce + float(m["ce_sum"]), n + int(m["tokens"])
-        return ce / n
-
-    # --------------------------------------------------------------------------- checkpoint
-    if primary:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(flags.as_dict(), indent=1) + "\n")
-    # No RNG key to keep: the model has no dropout and batch i is drawn from (seed, i), so
-    # the update count is the whole data position; the schedule's is in the optimizer state.
-    record = lambda step, tokens: rc.TrainingRecord.capture(
-        model=params,
-        optimizer=opt_state,
-        accumulator=acc,
-        state={"step": step, "tokens": tokens},
-        config=run_config,
-    )
-    step, tokens = 0, 0
-    if flags.resume:
-        restored = _resume(run_dir, record(0, 0), flags.resume_step, keep=flags.keep, say=say)
-        params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
-        step, tokens = restored.state["step"], restored.state["tokens"]
-        say(f"resumed {run_dir} at update {step} of {flags.steps}")
-    checkpointer = rr.open_checkpoints(run_dir, keep=flags.keep)
-    skips = guard.SkipWatch(flags.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
-
-    # --------------------------------------------------------------------------- loop
-    events = run_dir / "tensorboard" if flags.tensorboard and primary else None
-    log = rr.MetricsLog(
-        run_dir / "metrics.jsonl",
-        resume_step=step if flags.resume else None,
-        tensorboard=events,
-        writer=primary,  # the run's one log, by process 0
-    )
-    tokens_per_update = flags.batch_size * flags.seq_len * flags.grad_accum
-    where = f" over mesh {rs.mesh_text(flags.mesh)}" if mesh is not None else ""
-    if processes > 1:
-        where += f" of {processes} processes"
-    say(
-        f"training a {n_params:,}-parameter {config.model_type} model{where} on {data_dir}, "
-        f"updates {step + 1} to {stop} of {flags.steps}, {tokens_per_update:,} tokens each"
-    )
-    if step == 0:
-        log.write(kind="eval", step=0, val_loss=evaluate())
-    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True, disable=not primary)
-    note = bar.write if primary else say  # a line above the bar
-    last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
-    clock, clock_tokens = None, tokens
-    # Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the run
-    # ends as --stop-at ends it (every process after the same update).
-    with rr.Interruptions() as interrupt:
-        try:
-            while step < stop:
-                step += 1
-                window = []
-                for a in range(flags.grad_accum):
-                    acc, rngs, m = steps.micro(params, rngs, acc, rest, microbatch(step, a))
-                    window.append(m)
-                params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
-                tokens += tokens_per_update
-                # One transfer per update, which waits for it (so the bar counts finished
-                # updates): the loss, the gradient norm and the optimizer's skip count together.
-                window, norm, skipped_so_far = jax.device_get(
-                    (window, norm, guard.num_skipped(opt_state))
-                )
-                loss = sum(float(m["ce_sum"]) for m in window) / sum(
-                    int(m["tokens"]) for m in window
-                )
-                rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
-                if skips.update(step, skipped_so_far):
-                    note(
-                        f"update {step}: skipped by the optimizer (its gradients were not finite); "
-                        f"{skipped_so_far} skipped so far"
-                    )
-                if (
-                    clock is None
-                ):  # the session's first update compiled the steps: time from its end
-                    clock, clock_tokens = time.perf_counter(), tokens
-                elapsed = time.perf_counter() - clock
-                rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
-                lr = float(lr_at(step - 1))
-                last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
-                bar.set_postfix(
-                    loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
-                )
-                bar.update(1)
-                if step % flags.log_every == 0 or step == stop:
-                    row = dict(
-                        kind="train",
-                        step=step,
-                        loss=loss,
-                        lr=lr,
-                        grad_norm=float(norm),
-                        tokens=tokens,
-                        tokens_per_s=rate,
-                    )
-                    if skipped_so_far is not None:
-                        row["skipped"] = int(skipped_so_far)
-                    if config.num_local_experts is not None:
-                        row["aux_loss"] = float(np.mean([float(m["aux_loss"]) for m in window]))
-                    log.write(**row)
-                paused = False
-                if step % flags.eval_every == 0 or step == flags.steps:
-                    last["val_loss"] = evaluate()
-                    log.write(kind="eval", step=step, val_loss=last["val_loss"])
-                    note(
-                        f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
-                        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
-                    )
-                    paused = True
-                halt = interrupt.stop_after(step)  # every update, on every process
-                if step % flags.checkpoint_every == 0 or step == stop or halt:
-                    # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
-                    rr.check_finite(params, step=step, latest=checkpointer.latest_step)
-                    checkpointer.save(step, record(step, tokens))
-                    paused = True
-                if paused:  # evaluation and checkpoint time are not training throughput
-                    clock, clock_tokens = time.perf_counter(), tokens
-                if halt:
-                    break
-        except BaseException:  # a halt, an interrupt: what was logged reaches the disk
-            log.close()
-            raise
-        finally:
-            bar.close()
-            checkpointer.close()
-
-    # --------------------------------------------------------------------------- report
-    if step == flags.steps:
-        log.write(
-            kind="end",
-            step=step,
-            loss=last["loss"],
-            val_loss=last["val_loss"],
-            tokens=tokens,
-            tokens_per_s=last["tokens_per_s"],
-        )
-    log.close()
-    plot = run_dir / "loss.png"
-    title = (
-        f"{run_dir.name}: {config.num_hidden_layers}x{config.hidden_size} "
-        f"{config.model_type}, {flags.optimizer}"
-    )
-    if primary:
-        rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
-    if step < flags.steps:
-        why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
-        say(
-            f"stopped at update {step} of {flags.steps} ({why}); continue with: "
-            f"python -m examples.lm.train --resume --run-dir {run_dir}"
-        )
-    say(
-        f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
-        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s"
-    )
-    say(f"metrics: {log.path}\nloss curve: {plot}\ncheckpoints: {checkpointer.directory}")
-    if events is not None:
-        say(f"tensorboard: {events} (view with: tensorboard --logdir {events})")
-    return {
-        "run_dir": str(run_dir),
-        "metrics": str(log.path),
-        "plot": str(plot),
-        "tensorboard": None if events is None else str(events),
-        "step": step,
-        "interrupted": interrupt.signal_name,
-        **last,
-        "compilations": {
-            name: getattr(steps, name)._cache_size() for name in ("micro", "apply", "evaluate")
-        },
-    }
-
-
-# ------------------------------------------------------------------------------- helpers
+    return _Data(data_dir, vocab_size, train_data, val_data)
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:
@@ -583,6 +607,27 @@ def _checkpoint_root(source: str) -> Path:
     root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
     _committed_steps(root, "--init-from")
     return root
+
+
+def _model(
+    spec: rm.ModelSpec,
+    hf_dir: Path | None,
+    mesh: Mesh | None,
+    *,
+    seed: int,
+    say: Callable[[str], None],
+) -> tuple[rm.LlamaForCausalLM, int]:
+    """The model, new from ``seed`` or read from a Hugging Face directory, in its FSDP form
+    over a mesh with an ``fsdp`` axis; and its parameter count (a tied table once)."""
+    fsdp = mesh is not None and "fsdp" in mesh.axis_names
+    if hf_dir is None:
+        model = spec.create(seed)
+        n_params = _parameter_count(model)
+        return (shard(model, mesh) if fsdp else model), n_params
+    # Over an fsdp mesh each process reads only its devices' shards of the checkpoint.
+    model = hf_init.load_model(hf_dir, spec, mesh=mesh if fsdp else None)
+    say(f"initialized from the Hugging Face checkpoint {hf_dir}")
+    return model, _parameter_count(model)
 
 
 def _parameter_count(model: rm.LlamaForCausalLM) -> int:
