@@ -38,7 +38,9 @@ def base_and_policy(targets=("q_proj", "v_proj", "up_proj"), seed=5):
 def adapter_grad(policy, f):
     """``f(policy)`` and its gradient with respect to the LoRA adapters."""
     graphdef, adapters, rest = nnx.split(policy, rl.LoRAParam, ...)
-    return jax.value_and_grad(lambda a: f(nnx.merge(graphdef, a, rest)))(adapters)
+    # jitted: the references run the model once per row, which eagerly dispatches op by op
+    grad = jax.jit(jax.value_and_grad(lambda a, rest: f(nnx.merge(graphdef, a, rest))))
+    return grad(adapters, rest)
 
 
 def whole(tree):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rudax.models import pack_shared_prefix
 from rudax.post_train import (
@@ -100,9 +101,8 @@ def test_over_its_weight_it_is_trls_loss_and_gradients(loss_type):
     groups = _groups(3, 4)
     kw = {"beta": 0.05, "loss_type": loss_type, "epsilon_high": 0.28}
     want_loss, want_grads = adapter_grad(policy, lambda m: _trl_layout(m, base, groups, **kw)[0])
-    longest = _trl_layout(policy, base, groups, **kw)[1]
-    if loss_type == "dr_grpo":
-        kw["max_completion_length"] = longest
+    if loss_type == "dr_grpo":  # TRL's: the longest completion, its padded width
+        kw["max_completion_length"] = max(len(c) for _, cs, _, _ in groups for c in cs)
     # a group per row, and the groups packed into fewer rows
     for row_length in (None, 48):
         batch = _packed(groups, row_length)
@@ -115,7 +115,9 @@ def test_over_its_weight_it_is_trls_loss_and_gradients(loss_type):
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
         assert_trees_close(grads, want_grads)
         assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
-    _, metrics = grpo_loss_sum(policy, batch, temperature=TEMPERATURE, **kw)
+    _, metrics = nnx.jit(lambda m, b: grpo_loss_sum(m, b, temperature=TEMPERATURE, **kw))(
+        policy, batch
+    )
     assert int(metrics["completions"]) == 12
     assert int(metrics["completion_tokens"]) == sum(len(c) for _, cs, _, _ in groups for c in cs)
     assert float(metrics["clipped_low"]) >= 1 and float(metrics["clipped_high"]) >= 1
