@@ -194,14 +194,15 @@ class Checkpointer:
         try:
             if jax.process_index() == 0:
                 warn_invalid_steps(self.directory)
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=None if read_only else keep,
-                enable_async_checkpointing=async_save,
-                create=not read_only,
-                todelete_subdir=None if read_only else TRASH,
-                read_only=read_only,
-                step_name_format=StepFormat(),  # only valid steps: see _paths.py
-            )
+            with without_read_only_notice():  # the options log one too
+                options = ocp.CheckpointManagerOptions(
+                    max_to_keep=None if read_only else keep,
+                    enable_async_checkpointing=async_save,
+                    create=not read_only,
+                    todelete_subdir=None if read_only else TRASH,
+                    read_only=read_only,
+                    step_name_format=StepFormat(),  # only valid steps: see _paths.py
+                )
             # The parts' handlers (StandardCheckpointHandler) orbax finds from their arguments.
             registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
             meta_handler = MetaHandler()
