@@ -61,3 +61,16 @@ def _release_compiled_programs():
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``long(minutes)`` (the README's commands in order, the multi-process
+    runs) go first, the longest first. pytest-xdist's worksteal splits the list between the
+    workers and lets an idle one take the other's queued tests; a test of minutes collected
+    last would start last and keep one worker busy while the other has nothing left."""
+
+    def minutes(item):
+        mark = item.get_closest_marker("long")
+        return 0.0 if mark is None else float(mark.args[0])
+
+    items.sort(key=minutes, reverse=True)  # stable: the others keep their order

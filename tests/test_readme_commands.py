@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests._launch import repo_env
 from tests.lm.conftest import write_corpus
 
@@ -115,6 +117,7 @@ def _user_directory(root: Path) -> Path:
     return root
 
 
+@pytest.mark.long(4)  # minutes: started first (tests/conftest.py)
 def test_readme_commands_run_in_order_as_written(tmp_path):
     commands = readme_commands()
     assert len(commands) > 20, commands  # the parse found the README's blocks

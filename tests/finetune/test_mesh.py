@@ -162,6 +162,7 @@ def test_fsdp_reads_the_base_onto_the_mesh_samples_over_it_and_merges(
         assert np.all(np.abs(a - b) <= unit), k
 
 
+@pytest.mark.long(1)  # minutes: started first (tests/conftest.py)
 def test_two_fsdp_processes_sample_over_the_mesh_and_save_the_adapter(
     base_dir, data_files, tmp_path
 ):

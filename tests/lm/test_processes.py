@@ -44,6 +44,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.long(1.5)  # minutes: started first (tests/conftest.py)
 def test_processes_train_the_same_bits_whatever_their_count_and_resume_on_another(data, tmp_path):
     def run(name: str, processes: int, *more: str) -> str:
         code, out = _launch(processes, [*data, *FLAGS, "--run-dir", str(tmp_path / name), *more])
@@ -122,6 +123,7 @@ def test_a_killed_process_ends_the_other_within_the_heartbeat_timeout(data, tmp_
     assert "Task 1 heartbeat timeout" in text or "stopped sending heartbeats" in text, text[-3000:]
 
 
+@pytest.mark.long(1)  # minutes: started first (tests/conftest.py)
 @pytest.mark.parametrize(("processes", "sig"), [(2, signal.SIGINT), (1, signal.SIGTERM)])
 def test_a_signal_to_the_launcher_saves_every_process_at_one_update_and_resumes(
     data, tmp_path, processes, sig

@@ -80,6 +80,7 @@ def test_groups_of_equal_rewards_train_nothing_and_give_no_nan(base_dir, prompt_
             assert not value.any(), key  # still LoRA's zero B: nothing was learned
 
 
+@pytest.mark.long(1)  # minutes: started first (tests/conftest.py)
 def test_two_processes_train_the_one_device_run(base_dir, prompt_files, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     # 8 prompts a generation: 4 rows x 2 microbatches on one device, 8 rows over 8 devices
