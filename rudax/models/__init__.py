@@ -17,6 +17,8 @@ at the sampling temperature), ``shard`` is a model's FSDP form, ``flops_per_toke
 training FLOPs (for MFU), ``load_tokenizer`` reads a folder's ``tokenizer.json`` with its
 eos id and chat template (``ChatTemplate`` renders a tokenizer's own template), and
 ``pack_shared_prefix`` lays out a prompt and its completions so the prompt is computed once.
+The main job's recipe: ``ModelSpec`` (a model and how it computes), ``OptimizerSpec`` and
+``decay_mask`` (its update rule), ``next_token_loss_sum`` (the loss of a token stream's rows).
 """
 
 # Public names, re-exported one per line (``from rudax.models._x import a as a``), sorted as
