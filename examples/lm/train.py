@@ -112,9 +112,8 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
     say = print if primary else lambda *a, **k: None
 
     # --------------------------------------------------------------------------- data
-    data = _open_data(flags, hf_dir, multi=multi, primary=primary)
-    train_data, vocab_size = data.train, data.vocab_size
-    val_batches = data.val.eval_batches(flags.eval_batches, shard=process, num_shards=processes)
+    data = _open_data(flags, hf_dir, multi=multi, process=process, processes=processes)
+    train_data, vocab_size, val_batches = data.train, data.vocab_size, data.val_batches
     put = lambda b: b if mesh is None else rs.put_batch(b, mesh, flags.batch_size)
     # the train state where the steps keep it: fresh zeros and restored arrays alike
     place = lambda tree: tree if mesh is None else rs.place(tree, mesh)
@@ -415,13 +414,16 @@ class _Data(NamedTuple):
     directory: Path
     vocab_size: int  # the tokenizer's
     train: TokenLoader  # batch i is a pure function of (seed, i)
-    val: TokenLoader
+    val_batches: list[np.ndarray]  # this process's rows of the fixed validation batches
 
 
-def _open_data(flags: cfg.TrainConfig, hf_dir: Path | None, *, multi: bool, primary: bool) -> _Data:
-    """The corpus prepared (once: tokenized into checked shards) and its splits opened; a
-    preparation with other settings, a damaged shard or a bad corpus is a UsageError saying
-    how to rebuild it."""
+def _open_data(
+    flags: cfg.TrainConfig, hf_dir: Path | None, *, multi: bool, process: int, processes: int
+) -> _Data:
+    """The corpus prepared (once: tokenized into checked shards), its training split opened
+    and this process's rows of the validation batches read; a preparation with other
+    settings, a damaged shard or a bad corpus is a UsageError saying how to rebuild it."""
+    primary = process == 0
     data_dir = Path(flags.data_dir or _default_data_dir(flags.data))
     # The trainer has no --force: rebuilding a data folder that other runs read is
     # examples.lm.prepare's job, named here with the flags that do it.
@@ -442,7 +444,10 @@ def _open_data(flags: cfg.TrainConfig, hf_dir: Path | None, *, multi: bool, prim
         loader = lambda split: open_split(
             data_dir, split, seq_len=flags.seq_len, batch_size=flags.batch_size, seed=flags.seed
         )
-        train_data, val_data = loader("train"), loader("val")
+        train_data = loader("train")
+        val_batches = loader("val").eval_batches(
+            flags.eval_batches, shard=process, num_shards=processes
+        )
         if hf_dir is not None:
             hf_init.check_tokenizer(hf_dir, data_dir)
     except PreparationConflict as e:
@@ -455,7 +460,7 @@ def _open_data(flags: cfg.TrainConfig, hf_dir: Path | None, *, multi: bool, prim
         raise UsageError(f"data: {e}; prepare it again with: {rebuild}") from e
     except (CorpusError, ValueError) as e:
         raise UsageError(f"data: {e}") from e
-    return _Data(data_dir, vocab_size, train_data, val_data)
+    return _Data(data_dir, vocab_size, train_data, val_batches)
 
 
 def _show(x: float | None, spec: str = ".4f") -> str:
