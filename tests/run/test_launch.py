@@ -288,8 +288,14 @@ def _launcher_of_sleepers(tmp_path: Path, code: str, grace: str) -> subprocess.P
 def _ctrl_c(tmp_path: Path, setup: str = "", *, again: bool = False) -> tuple[str, str]:
     """Ctrl-C to a launcher of 2 sleepers with --grace 0.5 (and a second one, past the grace,
     ``again``): their (stdout, stderr), once it has exited 130, every process gone."""
-    launcher = _launcher_of_sleepers(tmp_path, sleeper_code("time.sleep(60)", setup), "0.5")
+    # Rank 1 marks when its line is printed: a SIGINT in the middle of `print` would run the
+    # handler between the text and its newline, and glue the handler's line onto it.
+    ready = "open(f'{folder}/printed', 'w').close(); time.sleep(60)"
+    launcher = _launcher_of_sleepers(tmp_path, sleeper_code(ready, setup), "0.5")
     try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "printed").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         launcher.send_signal(signal.SIGINT)
         if again:
             time.sleep(1)  # past --grace: still waiting
