@@ -35,20 +35,19 @@ def _pairs(n, seed=0):
 
 
 def _trl_layout_loss(policy, base, pairs, **kw):
-    """TRL's DPO written plainly: each answer in its own row after its prompt, log-probs from
-    the full logits, the reference the base model itself. Returns (mean loss, DPOOutput)."""
+    """TRL's DPO written plainly: each answer in its own row after its prompt, the rows
+    right-padded into one batch (chosen, then rejected), log-probs from the full logits, the
+    reference the base model itself. Returns (mean loss, DPOOutput)."""
+    answers = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+    width = max(len(p) + len(a) for p, a in answers) - 1
+    tokens = jnp.asarray([(p + a[:-1] + [0] * width)[:width] for p, a in answers])
+    labels = jnp.asarray([([-100] * (len(p) - 1) + a + [-100] * width)[:width] for p, a in answers])
 
-    def logp(model, prompt, answer):
-        tokens = jnp.asarray([prompt + answer[:-1]])
-        labels = jnp.asarray([[-100] * (len(prompt) - 1) + answer])
-        return jnp.sum(token_logprobs(model(tokens), labels))
+    def two(model):  # [chosen; rejected] summed log-probs, one row per answer
+        return jnp.split(jnp.sum(token_logprobs(model(tokens), labels), axis=-1), 2)
 
-    def four(model):
-        return [jnp.stack([logp(model, p, a) for p, *answers in pairs for a in [answers[i]]])
-                for i in (0, 1)]  # fmt: skip
-
-    chosen, rejected = four(policy)
-    ref_chosen, ref_rejected = four(base)
+    chosen, rejected = two(policy)
+    ref_chosen, ref_rejected = two(base)
     lengths = {}
     if kw.get("loss_type") == "ipo":
         lengths = {

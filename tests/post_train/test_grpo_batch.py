@@ -1,9 +1,9 @@
 """rudax.post_train.grpo_loss_sum: the GRPO loss of a LoRA policy on packed groups (each prompt
 once, its G completions as branches), against TRL's layout written plainly (one completion per
-row after a copy of its prompt, padded to [N, L], log-probs of the full tempered logits, the
-reference a separate copy of the base model): loss_sum over its weight is TRL's loss, and the
-adapters' gradients agree, for every loss type, with old log-probs and a KL term; rows split
-over a mesh give the one-device update; bad batches refused.
+row after a copy of its prompt, padded into one [N, L] batch, log-probs of the full tempered
+logits, the reference a separate copy of the base model): loss_sum over its weight is TRL's
+loss, and the adapters' gradients agree, for every loss type, with old log-probs and a KL term;
+rows split over a mesh give the one-device update; bad batches refused.
 """
 
 from __future__ import annotations
@@ -55,15 +55,19 @@ def _trl_layout(policy, base, groups, *, beta, loss_type, **kw):
     rows = [(p, c, o) for p, cs, _, old in groups for c, o in zip(cs, old, strict=True)]
     n, width = len(rows), max(len(p) + len(c) for p, c, _ in rows)
     longest = max(len(c) for _, c, _ in rows)
-    logps, refs = [], []
-    for model, out in ((policy, logps), (base, refs)):
-        for p, c, _ in rows:
-            tokens = jnp.asarray([(p + c[:-1] + [0] * width)[: width - 1]])
-            labels = jnp.asarray([([-100] * (len(p) - 1) + c + [-100] * width)[: width - 1]])
-            lp = token_logprobs(model(tokens), labels, temperature=TEMPERATURE)[0]
-            out.append(lp[len(p) - 1 : len(p) - 1 + longest])
-    logps = jnp.stack([jnp.pad(x, (0, longest - x.shape[0])) for x in logps])
-    refs = jnp.stack([jnp.pad(x, (0, longest - x.shape[0])) for x in refs])
+    tokens = jnp.asarray([(p + c[:-1] + [0] * width)[: width - 1] for p, c, _ in rows])
+    labels = jnp.asarray(
+        [([-100] * (len(p) - 1) + c + [-100] * width)[: width - 1] for p, c, _ in rows]
+    )
+
+    def completion_logps(model):  # [N, longest]: each row's completion, left-aligned
+        lp = token_logprobs(model(tokens), labels, temperature=TEMPERATURE)
+        lp = jnp.pad(lp, ((0, 0), (0, longest)))
+        return jnp.stack(
+            [lp[i, len(p) - 1 : len(p) - 1 + longest] for i, (p, _, _) in enumerate(rows)]
+        )
+
+    logps, refs = completion_logps(policy), completion_logps(base)
     old = np.zeros((n, longest), np.float32)
     completion = np.full((n, longest), -1, np.int32)
     for i, (_, c, o) in enumerate(rows):
