@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 import rudax.post_train as rp
-from examples.policy.config import PolicyConfig
+from examples.policy.config import Defaults, PolicyConfig
 from examples.policy.config import build_parser as policy_parser
 
 
@@ -15,11 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = policy_parser(
         "examples.dpo",
         "DPO of a LoRA / QLoRA policy on chosen/rejected pairs (TRL's DPOTrainer losses); the "
-        "reference policy is the base, the adapters switched off.",
-        steps=40,
-        lr=5e-4,
-        batch_size=8,
-        dropout=True,
+        "reference policy is the base, the adapters switched off; --dropout 0 by default, as "
+        "TRL's.",
+        Defaults(steps=40, lr=5e-4, batch_size=8, dropout=0.0),
     )
     dpo = p.add_argument_group("DPO (run flags)")
     dpo.add_argument("--seq-len", type=int, default=256, help="tokens per row (a pair a row)")

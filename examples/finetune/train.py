@@ -54,7 +54,6 @@ The run, top to bottom:
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import subprocess
@@ -85,12 +84,13 @@ from examples.finetune.config import (
     DEFAULT_BASE,
     DEFAULT_BASE_RUN,
     DEFAULT_DATA,
-    DTYPES,
     FinetuneConfig,
     build_parser,
 )
 from examples.finetune.data import FinetuneData
 from examples.finetune.template import DataError
+from examples.policy.held import Held
+from examples.policy.session import check_flags
 from rudax.run import UsageError
 
 
@@ -135,7 +135,7 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
             )
 
     # --------------------------------------------------------------------------- model
-    held = _Held(config)  # how the base is held, and the adapters added to it
+    held = Held(config)  # how the base is held, and the adapters added to it
     model, trained, base_digest, legacy = _load_base(config, run, hf_config, held)
     n_base = base_.parameter_count(trained.config)
     # Over a mesh with fsdp, the model the step holds is sharded; `model`, if the base was
@@ -244,6 +244,7 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
     log = rr.MetricsLog(
         run_dir / "metrics.jsonl",
         resume_step=step if resumed else -1 if config.resume else None,
+        tensorboard=run_dir / "tensorboard" if config.tensorboard else None,
         writer=primary,  # the run's one log, by process 0
     )
     where = ""
@@ -369,10 +370,7 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
     if not primary:  # process 0 writes the adapter (and the merged model)
         return result | {"adapter": str(out), "model": sampler}
     rl.save_adapter(saver, out, base_model_name_or_path=str(base_dir))
-    # How the base was held, for examples.generate to load it so (a QLoRA adapter on the
-    # unquantized base computes another function); peft reads only its own two files.
-    how = {k: getattr(config, k) for k in ("quantize", "param_dtype", "dtype", "absmax_rounding")}
-    (out / "rudax_base.json").write_text(json.dumps(how, indent=1) + "\n")
+    held.write_beside(out)
     if config.merged:
         if model is None:  # the base whole, only now, with the trained adapters on
             _, merged = base_.load(
@@ -450,39 +448,8 @@ def _configure(config: FinetuneConfig, given: set[str] | None) -> _Run:
     return _Run(config, run_dir, stop, base_dir, train_path, val_path, too_long, mesh, multi)
 
 
-class _Held:
-    """How the base is held (``--quantize``, ``--param-dtype``, ``--dtype``,
-    ``--absmax-rounding``) and the adapters put on it (``--targets``, ``--rank``, ...), for
-    each model the run loads: the trained one, and the merged one ``--merged`` writes."""
-
-    def __init__(self, config: FinetuneConfig) -> None:
-        self.config = config
-        self.quantized = config.quantize != "none"
-        self.load_kw: dict[str, Any] = dict(
-            param_dtype=DTYPES[config.param_dtype],
-            dtype=DTYPES[config.dtype],
-            quantize=config.quantize if self.quantized else None,
-            absmax_rounding=config.absmax_rounding,
-        )
-        self.adapted: list[str] = []  # the module paths adapted, once a model has been
-
-    def add_adapters(self, m: rm.LlamaForCausalLM) -> None:
-        config = self.config
-        try:
-            self.adapted[:] = rl.apply_lora(
-                m,
-                config.targets,
-                rank=config.rank,
-                alpha=config.alpha,
-                dropout=config.dropout,
-                rngs=nnx.Rngs(config.seed),
-            )
-        except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
-            raise UsageError(f"--targets {','.join(config.targets)}: {e}") from e
-
-
 def _load_base(
-    config: FinetuneConfig, run: _Run, hf_config: dict[str, Any], held: _Held
+    config: FinetuneConfig, run: _Run, hf_config: dict[str, Any], held: Held
 ) -> tuple[rm.LlamaForCausalLM | None, rm.LlamaForCausalLM, str, bool]:
     """The base with its adapters: ``(model, trained, base_digest, legacy)``, ``trained``
     read onto the mesh (each process its shards) or whole; ``model`` the whole one when a
@@ -617,36 +584,17 @@ def _check_finetune_run(run_dir: Path) -> None:
 
 
 def _check_flags(config: FinetuneConfig, run_dir: Path) -> None:
-    positive = ("seq_len", "steps", "batch_size", "grad_accum", "rank", "eval_every")
-    positive += ("eval_batches", "checkpoint_every", "keep", "alpha", "lr", "clip")
-    for name in positive:
+    """The shared flags (``examples.policy``'s checks; --base and --data have defaults
+    here), then the fine-tuner's own."""
+    check_flags(config, required=())
+    for name in ("seq_len", "eval_batches"):
         value = getattr(config, name)
         if not value > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if not 0 <= config.dropout < 1:
-        raise UsageError(f"--dropout must be in [0, 1), got {config.dropout}")
     if config.scan_layers and config.dropout:
         raise UsageError(
             f"--scan-layers needs --dropout 0, got --dropout {config.dropout}: a scan would draw "
             "the same dropout masks in every block"
-        )
-    if not 0 <= config.min_lr_ratio <= 1:
-        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
-    devices = math.prod(config.mesh.values()) if config.mesh else 1
-    if config.batch_size % devices:  # each batch's rows are split over every axis of the mesh
-        raise UsageError(
-            f"--batch-size must be divisible by the mesh's {devices} devices (each holds an "
-            f"equal slice), got --batch-size {config.batch_size}, "
-            f"--mesh {rs.mesh_text(config.mesh or {})}"
-        )
-    for flag in ("data", "val_data"):  # before anything is exported or written
-        path = getattr(config, flag)
-        if path is not None and not Path(path).is_file():
-            raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
-    if not 0 <= config.warmup < config.steps:
-        raise UsageError(
-            f"--warmup must be in [0, --steps), got --warmup {config.warmup}, "
-            f"--steps {config.steps}"
         )
     if config.merged:
         merged = Path(config.merged)
@@ -667,8 +615,6 @@ def _check_flags(config: FinetuneConfig, run_dir: Path) -> None:
             )
     if config.sample_tokens < 0:
         raise UsageError(f"--sample-tokens must be >= 0, got {config.sample_tokens}")
-    if config.stop_at is not None and config.stop_at <= 0:
-        raise UsageError(f"--stop-at must be positive, got {config.stop_at}")
 
 
 def _base_dir(base: str | None) -> Path:

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 import rudax.post_train as rp
-from examples.policy.config import PolicyConfig
+from examples.policy.config import Defaults, PolicyConfig
 from examples.policy.config import build_parser as policy_parser
 
 
@@ -18,10 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt sampled with the prompt's keys and values cached once, rewarded by Python "
         "functions, trained on for --num-iterations updates. --batch-size counts prompts "
         "(a prompt's G completions are one row).",
-        steps=40,
-        lr=5e-4,
-        batch_size=4,
-        dropout=False,
+        Defaults(steps=40, lr=5e-4, batch_size=4, dropout=None),
     )
     g = p.add_argument_group("GRPO (run flags)")
     g.add_argument(

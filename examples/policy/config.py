@@ -1,7 +1,8 @@
-"""The flags ``examples.dpo`` and ``examples.grpo`` share, and ``PolicyConfig``, the frozen run
-configuration each program's own configuration extends.
+"""The flags the adapter programs share (``examples.finetune``, ``examples.dpo``,
+``examples.grpo``), and ``PolicyConfig``, the frozen run configuration each program's own
+configuration extends.
 
-Flags fall in two groups, as ``examples.finetune``'s do. *Session* flags (``SESSION_FLAGS``)
+Flags fall in two groups. *Session* flags (``SESSION_FLAGS``)
 only control this process (where the run is, when to stop, where the adapter goes, how to
 meet the other processes) and may change between sessions of one run. Every other flag is
 the *run's*: stored in its config.json, and a resumed run refuses a command line that
@@ -41,23 +42,39 @@ PLACES = ("base", "data", "val_data")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
-def build_parser(
-    program: str, description: str, *, steps: int, lr: float, batch_size: int, dropout: bool
-) -> argparse.ArgumentParser:
-    """The flags both programs take, grouped as ``--help`` shows them; a program adds its own
-    group. ``steps``, ``lr`` and ``batch_size`` are the program's defaults; ``dropout``
-    whether it offers ``--dropout`` (GRPO does not: its sampler and its trainer must compute
-    one function, TRL's ``disable_dropout``)."""
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """A program's own defaults of the shared flags, and its help for the places.
+
+    ``dropout``: ``--dropout``'s default, or None where the program does not offer it (GRPO:
+    its sampler and its trainer must compute one function, TRL's ``disable_dropout``)."""
+
+    steps: int
+    lr: float
+    batch_size: int
+    dropout: float | None
+    warmup: int = 0
+    min_lr_ratio: float = 1.0
+    usage: str = "--base DIR --data FILE [flags]"
+    base: str = "the Hugging Face directory of the policy's base (required)"
+    data: str = "training JSONL (required)"
+    val_data: str = "held-out JSONL, evaluated every --eval-every updates"
+
+
+def build_parser(program: str, description: str, defaults: Defaults) -> argparse.ArgumentParser:
+    """The flags every adapter program takes, grouped as ``--help`` shows them; a program
+    adds its own groups."""
     p = argparse.ArgumentParser(
         prog=f"python -m {program}",
-        usage="%(prog)s --base DIR --data FILE [flags]  (--help lists them)",
+        usage=f"%(prog)s {defaults.usage}  (--help lists them)",
         description=description,
         formatter_class=rr.HelpFormatter,
         allow_abbrev=False,
     )
+    name = program.split(".")[-1]
     run = p.add_argument_group("run (session flags)")
     run.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
-    run.add_argument("--name", help="run directory name (default: <program>-<timestamp>)")
+    run.add_argument("--name", help=f"run directory name (default: {name}-<timestamp>)")
     run.add_argument("--run-dir", help="the run directory itself (overrides --runs-dir/--name)")
     run.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
     run.add_argument("--stop-at", type=int, help="stop after this update, as an interruption would")
@@ -66,17 +83,22 @@ def build_parser(
         "--tensorboard", action="store_true", help="also TensorBoard events in RUN/tensorboard"
     )
     base = p.add_argument_group("base and data (run flags)")
-    base.add_argument("--base", help="the Hugging Face directory of the policy's base (required)")
-    base.add_argument("--data", help="training JSONL (required)")
-    base.add_argument("--val-data", help="held-out JSONL, evaluated every --eval-every updates")
-    base.add_argument("--seed", type=int, default=0, help="adapter init, data order, sampling")
-    model = p.add_argument_group("policy (run flags)")
+    base.add_argument("--base", help=defaults.base)
+    base.add_argument("--data", help=defaults.data)
+    base.add_argument("--val-data", help=defaults.val_data)
+    base.add_argument(
+        "--seed", type=int, default=0, help="adapter init, dropout, data order, sampling"
+    )
+    model = p.add_argument_group("model (run flags)")
     model.add_argument("--quantize", choices=("nf4", "none"), default="nf4", help="the base")
     model.add_argument(
         "--absmax-rounding",
         choices=("cuda", "cpu"),
         default="cuda",
-        help="with --quantize nf4: bitsandbytes' CUDA or CPU rounding of the 8-bit absmax codes",
+        help="with --quantize nf4, whose 8-bit absmax codes (QLoRA's double quantization) "
+        "to reproduce bit for bit: bitsandbytes' CUDA kernel, which quantized the checkpoints "
+        "people share, or its CPU kernel, which rounds about 1 in 400 of them the other way "
+        "(rudax.kernels.nf4_quantize)",
     )
     model.add_argument(
         "--param-dtype", choices=sorted(DTYPES), default="bfloat16", help="unquantized storage"
@@ -86,7 +108,8 @@ def build_parser(
         "--remat",
         choices=rl.REMAT_POLICIES,
         default="none",
-        help="activation checkpointing of each block (may change on --resume)",
+        help="activation checkpointing of each block, as examples.lm.train's (may change on "
+        "--resume)",
     )
     model.add_argument(
         "--targets",
@@ -96,27 +119,33 @@ def build_parser(
     )
     model.add_argument("--rank", type=int, default=8, help="LoRA rank")
     model.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha/rank)")
-    if dropout:
+    if defaults.dropout is None:
+        p.set_defaults(dropout=0.0)
+    else:
         model.add_argument(
             "--dropout",
             type=float,
-            default=0.0,
-            help="dropout on adapter inputs (TRL disables dropout by default)",
+            default=defaults.dropout,
+            help="dropout on adapter inputs (peft's lora_dropout)",
         )
-    else:
-        p.set_defaults(dropout=0.0)
     model.add_argument(
         "--mesh",
         type=rr.mesh_flag,
-        help="spread each step over devices, e.g. data=2,fsdp=4 (all processes' devices)",
+        help="spread each step over devices, e.g. data=2,fsdp=4: rows split over both, the "
+        "base, adapters and moments stored 1/fsdp per device; the product is the device "
+        "count of the run (all its processes)",
     )
     opt = p.add_argument_group("optimizer and loop (run flags)")
-    opt.add_argument("--steps", type=int, default=steps, help="optimizer updates")
-    opt.add_argument("--batch-size", type=int, default=batch_size, help="rows per microbatch")
+    opt.add_argument("--steps", type=int, default=defaults.steps, help="optimizer updates")
+    opt.add_argument(
+        "--batch-size", type=int, default=defaults.batch_size, help="rows per microbatch"
+    )
     opt.add_argument("--grad-accum", type=int, default=1, help="microbatches per update")
-    opt.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
-    opt.add_argument("--warmup", type=int, default=0, help="linear warmup updates")
-    opt.add_argument("--min-lr-ratio", type=float, default=1.0, help="cosine's end / peak")
+    opt.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW)")
+    opt.add_argument("--warmup", type=int, default=defaults.warmup, help="linear warmup updates")
+    opt.add_argument(
+        "--min-lr-ratio", type=float, default=defaults.min_lr_ratio, help="cosine's end / peak"
+    )
     opt.add_argument("--clip", type=float, default=1.0, help="global gradient norm")
     opt.add_argument("--eval-every", type=int, default=10, help="updates per evaluation")
     opt.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
@@ -127,8 +156,8 @@ def build_parser(
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig(rr.RunConfig):
-    """The flags both programs share, typed (see ``--help``); a program's configuration
-    subclasses it with its own fields, ``PARSER`` and ``PROGRAM``."""
+    """The flags every adapter program takes, typed (see ``--help``); a program's
+    configuration subclasses it with its own fields, ``PARSER`` and ``PROGRAM``."""
 
     PROGRAM: ClassVar[str] = ""  # "examples.dpo"
     SESSION_FLAGS = SESSION_FLAGS

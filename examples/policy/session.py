@@ -29,7 +29,8 @@ import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
 import rudax.sharding as rs
-from examples.policy.config import DTYPES, PolicyConfig
+from examples.policy.config import PolicyConfig
+from examples.policy.held import Held
 from examples.policy.jsonl import DataError
 from rudax.run import UsageError
 
@@ -61,7 +62,7 @@ class Session:
     steps: Any = None
     checkpointer: Any = None
     log: Any = None
-    adapted: list[str] = dataclasses.field(default_factory=list)
+    held: Any = None  # Held: how the base is held and its adapters
     record_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # ----------------------------------------------------------------------------- open
@@ -152,22 +153,16 @@ class Session:
         data digests), restores its latest checkpoint, and writes config.json: the first
         write of the session."""
         config = self.config
-        quantize = None if config.quantize == "none" else config.quantize
-        load_kw = dict(
-            param_dtype=DTYPES[config.param_dtype],
-            dtype=DTYPES[config.dtype],
-            quantize=quantize,
-            absmax_rounding=config.absmax_rounding,
-        )
+        held = self.held = Held(config)
         try:
             if self.mesh is not None and "fsdp" in self.mesh.axis_names:
                 # read straight onto the mesh: no process holds the whole base
                 trained = rm.from_pretrained(
-                    self.base_dir, mesh=self.mesh, prepare=self._add_adapters, **load_kw
+                    self.base_dir, mesh=self.mesh, prepare=held.add_adapters, **held.load_kw
                 )
             else:
-                trained = rm.from_pretrained(self.base_dir, **load_kw)
-                self._add_adapters(trained)
+                trained = rm.from_pretrained(self.base_dir, **held.load_kw)
+                held.add_adapters(trained)
         except ValueError as e:
             raise UsageError(f"--base {self.base_dir}: {e}") from e
         trained.remat = config.remat
@@ -240,27 +235,12 @@ class Session:
         n_base = sum(x.size for x in jax.tree.leaves(nnx.state(shapes)))
         n_adapters = sum(x.size for x in jax.tree.leaves(self.adapters))
         where = "" if self.mesh is None else f" over mesh {rs.mesh_text(config.mesh)}"
-        held = "NF4" if quantize else config.param_dtype
         self.say(
-            f"{self.base_dir}: {n_base:,} base parameters ({held})"
-            f"; LoRA r={config.rank} on {len(self.adapted)} layers: {n_adapters:,} trained"
-            f"{where}"
+            f"{self.base_dir}: {n_base:,} base parameters "
+            f"({'NF4' if held.quantized else config.param_dtype}); LoRA r={config.rank} on "
+            f"{len(held.adapted)} layers: {n_adapters:,} trained{where}"
         )
         return self
-
-    def _add_adapters(self, model: rm.LlamaForCausalLM) -> None:
-        config = self.config
-        try:
-            self.adapted[:] = rl.apply_lora(
-                model,
-                config.targets,
-                rank=config.rank,
-                alpha=config.alpha,
-                dropout=config.dropout,
-                rngs=nnx.Rngs(config.seed),
-            )
-        except (TypeError, ValueError) as e:  # no match, or a match that is not a dense layer
-            raise UsageError(f"--targets {','.join(config.targets)}: {e}") from e
 
     def _record(self, step: int) -> rc.TrainingRecord:
         return rc.TrainingRecord.capture(
@@ -370,15 +350,13 @@ class Session:
             return result
         nnx.update(self.trained, self.adapters, self.rngs)
         if self.mesh is not None and "fsdp" in self.mesh.axis_names:
-            saver = rm.gather_adapters(self.trained, self._add_adapters)
+            saver = rm.gather_adapters(self.trained, self.held.add_adapters)
         else:
             saver = self.trained
         out = Path(config.export) if config.export else self.run_dir / "adapter"
         if self.primary:
             rl.save_adapter(saver, out, base_model_name_or_path=str(self.base_dir))
-            held = ("quantize", "param_dtype", "dtype", "absmax_rounding")
-            held_by = {k: getattr(config, k) for k in held}
-            (out / "rudax_base.json").write_text(json.dumps(held_by, indent=1) + "\n")
+            self.held.write_beside(out)
             self.say(f"metrics: {self.log.path}\nadapter: {out}")
         return result | {"adapter": str(out)}
 
@@ -386,9 +364,10 @@ class Session:
 # ------------------------------------------------------------------------------- helpers
 
 
-def check_flags(config: PolicyConfig) -> None:
-    """The flags both programs take, checked before anything is read or written."""
-    for flag in ("base", "data"):
+def check_flags(config: PolicyConfig, required: Sequence[str] = ("base", "data")) -> None:
+    """The flags every adapter program takes, checked before anything is read or written;
+    ``required``: the places the program has no default for."""
+    for flag in required:
         if getattr(config, flag) is None:
             raise UsageError(f"--{flag} is required")
     positive = ("steps", "batch_size", "grad_accum", "rank", "eval_every", "checkpoint_every")

@@ -31,6 +31,7 @@ import rudax.run as rr
 from examples.finetune import instructions
 from examples.finetune.train import main
 from tests.finetune.conftest import tiny_base, write_jsonl
+from tests.lm.test_tensorboard import assert_same_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
@@ -62,10 +63,11 @@ def _train_rows(run_dir):
 
 @pytest.fixture(scope="module")
 def full_run(base_dir, data_files, tmp_path_factory):
-    """8 uninterrupted updates of QLoRA with fp32 storage of the unquantized parts."""
+    """8 uninterrupted updates of QLoRA with fp32 storage of the unquantized parts, and
+    TensorBoard's events."""
     run_dir = tmp_path_factory.mktemp("full") / "run"
-    result = main(_flags(base_dir, data_files, run_dir, "--param-dtype", "float32"))
-    return run_dir, result
+    flags = _flags(base_dir, data_files, run_dir, "--param-dtype", "float32", "--tensorboard")
+    return run_dir, main(flags)
 
 
 def test_validation_loss_falls_and_the_base_is_nf4(full_run):
@@ -82,6 +84,11 @@ def test_validation_loss_falls_and_the_base_is_nf4(full_run):
     # The host's peak RSS (issue 29): JAX and the model at least; the process's peak only grows.
     peak_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     assert 100e6 < result["peak_rss_bytes"] <= peak_now
+
+
+def test_tensorboard_events_hold_the_metrics_scalars(full_run):
+    run_dir, _ = full_run
+    assert_same_scalars(run_dir / "metrics.jsonl", run_dir / "tensorboard")
 
 
 def test_a_sample_is_printed_before_and_after_training(full_run):

@@ -55,7 +55,7 @@ def _rows(metrics):
     return want
 
 
-def _assert_same(metrics, folder):
+def assert_same_scalars(metrics, folder):
     want, got = _rows(metrics), _events(folder)
     assert sorted(got) == sorted(want)  # every scalar, at its step, and nothing else
     keys = sorted(want)
@@ -90,7 +90,7 @@ def halted(data, tmp_path_factory):
 
 
 def test_event_files_hold_the_metrics_rows_scalars(halted):
-    _assert_same(halted / "metrics.jsonl", halted / "tensorboard")
+    assert_same_scalars(halted / "metrics.jsonl", halted / "tensorboard")
     got = _events(halted / "tensorboard")
     assert {tag for tag, _ in got} == {
         *("train/loss", "train/lr", "train/grad_norm", "train/tokens", "train/tokens_per_s"),
@@ -107,7 +107,7 @@ def test_a_resumed_run_reads_as_its_metrics_rows(halted, tmp_path):
     # file hides the first one's update 7 from TensorBoard, so each step has one value.
     out = train.main(["--resume", "--run-dir", str(run_dir), "--tensorboard"])
     assert out["step"] == 8 and out["tensorboard"] == str(run_dir / "tensorboard")
-    _assert_same(out["metrics"], out["tensorboard"])
+    assert_same_scalars(out["metrics"], out["tensorboard"])
     after = {f.name: f.read_bytes() for f in (run_dir / "tensorboard").iterdir()}
     assert len(after) == 2 and after.items() >= before.items()  # appended; the first kept
 
