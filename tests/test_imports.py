@@ -1,8 +1,7 @@
 """What imports what (ARCHITECTURE.md). The programs over the library import only rudax's
-public modules and their own: a user who copies examples/lm, examples/finetune (or
-examples/generate.py) needs nothing else from this repository; one who copies examples/dpo
-or examples/grpo needs examples/policy too. One exception, named below: the memory planner
-compiles the fine-tuning program's own steps to read XLA's accounting of them.
+public modules and their own: a user who copies examples/lm (or examples/generate.py) needs
+nothing else from this repository; one who copies examples/finetune, examples/dpo or
+examples/grpo needs examples/policy too (the adapter programs' shared flags and session).
 
 The benchmarks import the library, never an example's internals: a benchmark of a program's
 step builds that step from the library (the trainer's recipe: ``benchmarks/_trainer.py``,
@@ -26,13 +25,9 @@ PROGRAMS = {
     "examples.dpo": sorted((ROOT / "examples" / "dpo").glob("*.py")),
     "examples.grpo": sorted((ROOT / "examples" / "grpo").glob("*.py")),
 }
-# The post-training programs share examples/policy: a user copies it with them.
-SHARED = {"examples.dpo": "examples.policy", "examples.grpo": "examples.policy"}
+# The adapter programs share examples/policy: a user copies it with them.
+SHARED = {p: "examples.policy" for p in ("examples.finetune", "examples.dpo", "examples.grpo")}
 
-
-# (file, module): python -m examples.lm.plan --finetune ... --xla compiles examples.finetune's
-# steps as the program builds them, not a copy that could drift from them.
-ALLOWED = {("examples/lm/plan_xla.py", "examples.finetune.train")}
 
 # (benchmark, module): what it measures that has no public name.
 PRIVATE = {
@@ -64,8 +59,7 @@ def test_a_program_imports_public_rudax_and_itself_only(program):
             private = name.startswith("rudax.") and any(p.startswith("_") for p in name.split("."))
             own = name.startswith(program) or name.startswith(SHARED.get(program, program))
             other = name.startswith("examples") and not own
-            allowed = (str(path.relative_to(ROOT)), name) in ALLOWED
-            if (private or other) and not allowed:
+            if private or other:
                 bad.append(f"{path.relative_to(ROOT)}: {name}")
     assert not bad, bad
 

@@ -53,15 +53,14 @@ The run, top to bottom:
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,19 +77,15 @@ import rudax.optim as ro
 import rudax.run as rr
 import rudax.sharding as rs
 from examples.finetune import base as base_
-from examples.finetune import instructions
 from examples.finetune import mesh as mesh_
 from examples.finetune.config import (
-    DEFAULT_BASE,
-    DEFAULT_BASE_RUN,
-    DEFAULT_DATA,
     FinetuneConfig,
     build_parser,
 )
 from examples.finetune.data import FinetuneData
+from examples.finetune.setup import Run, adapter_dir, configure
 from examples.finetune.template import DataError
 from examples.policy.held import Held
-from examples.policy.session import check_flags
 from rudax.run import UsageError
 
 
@@ -110,183 +105,288 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring. ``given``: the flags on the
     command line (None: those that differ from their defaults)."""
-    # --------------------------------------------------------------------------- config
-    run = _configure(config, given)  # every check that needs no data, before anything is written
-    config, run_dir, base_dir, mesh, multi = (
-        run.config,
-        run.run_dir,
-        run.base_dir,
-        run.mesh,
-        run.multi,
-    )
-    stop = run.stop
-    # Process 0 writes the run's files, logs and prints.
-    primary = jax.process_index() == 0
-    say = print if primary else lambda *a, **k: None
-
-    # --------------------------------------------------------------------------- data
+    run = configure(config, given)  # every check that needs no data, before anything is written
+    config = run.config
     tokenizer, hf_config, train_data, val_data = _read_data(config, run)
-    val_batches = [] if val_data is None else val_data.eval_batches()[: config.eval_batches]
-    for name, data in (("--data", train_data), ("--val-data", val_data)):
-        if data is not None and data.dropped:
-            say(
-                f"{name} {data.path}: {len(data.dropped)} examples longer than --seq-len "
-                f"{config.seq_len} left out (--too-long drop)"
-            )
-
-    # --------------------------------------------------------------------------- model
     held = Held(config)  # how the base is held, and the adapters added to it
     model, trained, base_digest, legacy = _load_base(config, run, hf_config, held)
-    n_base = base_.parameter_count(trained.config)
     # Over a mesh with fsdp, the model the step holds is sharded; `model`, if the base was
     # loaded whole (a legacy run), keeps the whole one for sampling and the adapter file.
-    if mesh is not None and model is not None and "fsdp" in mesh.axis_names:
-        trained = mesh_.shard(model, mesh)
-    trained.remat = config.remat  # read when the model is called: how it runs, not what it stores
-    trained.eval()
-    eval_def = nnx.graphdef(trained)  # dropout off
-    trained.train()
-    graphdef, adapters, rngs, base = nnx.split(trained, rl.LoRAParam, nnx.RngState, ...)
-    if mesh is not None:
-        adapters, rngs, base = rs.place((adapters, rngs, base), mesh)
-    base_bytes = sum(x.nbytes for x in jax.tree.leaves(base))
-    # what one device holds of it (the whole, or 1/fsdp of each weight plus padding)
-    base_device_bytes = sum(
-        x.addressable_shards[0].data.nbytes if isinstance(x, jax.Array) else x.nbytes
-        for x in jax.tree.leaves(base)
-    )
-    n_adapters = sum(x.size for x in jax.tree.leaves(adapters))
-
-    # --------------------------------------------------------------------------- optimizer
-    schedule = ro.warmup_cosine_decay_schedule(
-        0.0, config.lr, config.warmup, config.steps, end_value=config.lr * config.min_lr_ratio
-    )
-    tx = optax.chain(ro.clip_by_global_norm(config.clip), ro.adamw(schedule, weight_decay=0.0))
-    opt_state = tx.init(adapters)
-    acc = ro.GradientAccumulator.init(adapters, jnp.float32)
-    if mesh is not None:
-        opt_state, acc = rs.place((opt_state, acc), mesh)
-
-    # --------------------------------------------------------------------------- step
-    steps = rs.make_train_steps(
-        graphdef, tx, rm.causal_lm_loss_sum, mesh=mesh, eval_graphdef=eval_def
-    )
-    if mesh is None:
-        put: Any = lambda batch: batch
-        real_tokens: Any = lambda batch: int(np.count_nonzero(batch["segment_ids"]))
-    else:
-        # this process's rows, placed; the count of real tokens over every process's rows
-        put = lambda batch: rs.put_batch(batch, mesh, config.batch_size)
-        real_tokens = lambda placed: int(_count_tokens(placed["segment_ids"]))
-
-    def val_loss() -> float | None:
-        if not val_batches:
-            return None
-        ms = jax.device_get(
-            [steps.evaluate(adapters, rngs, base, put(rs.local_rows(b))) for b in val_batches]
-        )
-        return sum(float(m["ce_sum"]) for m in ms) / max(1, sum(int(m["tokens"]) for m in ms))
-
-    # --------------------------------------------------------------------------- checkpoint
+    if run.mesh is not None and model is not None and "fsdp" in run.mesh.axis_names:
+        trained = mesh_.shard(model, run.mesh)
+    tuner = _Tuner.build(config, run.mesh, trained, val_data)
     identity = {
         **base_.identity(base_digest, legacy),
         "data_identity": _identity(train_data),
         "val_data_identity": None if val_data is None else _identity(val_data),
     }
-    # Where the base and the data are is not the run's (a resumed run may find them elsewhere,
-    # or take the default base): their identities stand for them in the checkpoint.
-    run_config = config.run_flags() | identity
-    if config.resume:
-        _check_identity(run_dir, identity)
-    if primary:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    if multi:
-        multihost_utils.sync_global_devices("examples.finetune: run directory")
-    record = lambda step: rc.TrainingRecord.capture(
-        model={"adapters": adapters, "rngs": rngs},
-        optimizer=opt_state,
-        accumulator=acc,
-        state={"step": step},
-        config=run_config,
-    )
-    step = 0
-    checkpointer = rr.open_checkpoints(run_dir, keep=config.keep)
-    resumed = config.resume and checkpointer.latest_step() is not None
-    if config.resume and not resumed:
-        say(f"--resume: {run_dir} has no checkpoint yet: starting from update 0")
-    if resumed:
-        try:
-            restored = rr.restore_latest(checkpointer, record(0))
-        except UsageError:
-            checkpointer.close()
-            raise
-        adapters, rngs = restored.model["adapters"], restored.model["rngs"]
-        opt_state, acc, step = restored.optimizer, restored.accumulator, restored.state["step"]
-        say(f"resumed {run_dir} at update {step} of {config.steps}")
-    # Written once every check has passed: a refused --resume leaves the run as it was.
-    saved = {**config.as_dict(), **identity, "base": str(base_dir)}
-    if primary:
-        (run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+    checkpointer, resumed = tuner.open_run(run, identity)
 
-    samples: dict[int, str] = {}
-    sample_data = train_data if val_data is None else val_data
     # The model held whole samples on process 0 alone; one read onto the mesh samples over
     # it, every process taking part.
     sampler = trained if model is None else model
-    sampling = config.sample_tokens and (primary or model is None)
-    if step == 0 and sampling:
+    sampling = bool(config.sample_tokens) and (tuner.primary or model is None)
+    sample_data = train_data if val_data is None else val_data
+    samples: dict[int, str] = {}
+    if tuner.step == 0 and sampling:
         samples[0] = _sample(
             sampler, tokenizer, sample_data, config.sample_tokens, "before training"
         )
-
-    # --------------------------------------------------------------------------- loop
     # Resumed, the rows logged after the checkpoint go; restarted, every row (-1) does.
     log = rr.MetricsLog(
-        run_dir / "metrics.jsonl",
-        resume_step=step if resumed else -1 if config.resume else None,
-        tensorboard=run_dir / "tensorboard" if config.tensorboard else None,
-        writer=primary,  # the run's one log, by process 0
+        run.run_dir / "metrics.jsonl",
+        resume_step=tuner.step if resumed else -1 if config.resume else None,
+        tensorboard=run.run_dir / "tensorboard" if config.tensorboard else None,
+        writer=tuner.primary,  # the run's one log, by process 0
     )
+    tuner.say(_start_line(run, tuner, held, trained, train_data))
+    last, interrupted = _loop(tuner, run, train_data, checkpointer, log)
+
+    result: dict[str, Any] = {
+        "run_dir": str(run.run_dir),
+        "step": tuner.step,
+        "base_sha256": base_digest,
+        "base_bytes": tuner.base_bytes,
+        "base_device_bytes": tuner.base_device_bytes,
+        "adapted": held.adapted,
+        "samples": samples,
+        **last,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "interrupted": interrupted,
+    }
+    if tuner.step < config.steps:
+        why = "--stop-at" if interrupted is None else interrupted
+        tuner.say(
+            f"stopped at update {tuner.step} of {config.steps} ({why}); continue with: "
+            f"python -m examples.finetune --resume --run-dir {run.run_dir}"
+        )
+        return result
+    nnx.update(trained, tuner.adapters, tuner.rngs)
+    if run.mesh is not None and model is not None:
+        rm.gather_adapters_into(model, trained)  # the adapters whole, on every process
+    if sampling:
+        when = f"update {tuner.step}"
+        samples[tuner.step] = _sample(sampler, tokenizer, sample_data, config.sample_tokens, when)
+    sampler.eval()
+    out = adapter_dir(config, run.run_dir)
+    if tuner.primary:  # process 0 writes the adapter (and the merged model)
+        _write_outputs(config, run, held, model, trained, out, log, last)
+        result["peak_rss_bytes"] = _peak_rss_bytes()  # the merge's copy included
+    return result | {"adapter": str(out), "model": sampler}
+
+
+# ------------------------------------------------------------------------------- steps
+
+
+@dataclasses.dataclass
+class _Tuner:
+    """The run's state and its jitted steps: the adapters, dropout RNG, optimizer state and
+    accumulator (placed on the mesh, if any), the base they adapt, and update ``step``."""
+
+    config: FinetuneConfig
+    mesh: jax.sharding.Mesh | None
+    graphdef: Any
+    adapters: Any
+    rngs: Any
+    base: Any
+    opt_state: Any
+    acc: Any
+    steps: rs.TrainSteps
+    schedule: optax.Schedule
+    val_batches: list[dict[str, np.ndarray]]
+    base_bytes: int
+    base_device_bytes: int  # what one device holds of the base: the whole, or 1/fsdp of it
+    record_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    step: int = 0
+    primary: bool = dataclasses.field(default_factory=lambda: jax.process_index() == 0)
+
+    @classmethod
+    def build(
+        cls,
+        config: FinetuneConfig,
+        mesh: jax.sharding.Mesh | None,
+        trained: rm.LlamaForCausalLM,
+        val_data: FinetuneData | None,
+    ) -> _Tuner:
+        """Splits the model into adapters and the rest, and builds AdamW (weight decay 0,
+        warmup + cosine, clipped) and the steps of ``causal_lm_loss_sum``."""
+        trained.remat = config.remat  # read when the model is called: how it runs, not stores
+        trained.eval()
+        eval_def = nnx.graphdef(trained)  # dropout off
+        trained.train()
+        graphdef, adapters, rngs, base = nnx.split(trained, rl.LoRAParam, nnx.RngState, ...)
+        schedule = ro.warmup_cosine_decay_schedule(
+            0.0, config.lr, config.warmup, config.steps, end_value=config.lr * config.min_lr_ratio
+        )
+        tx = optax.chain(ro.clip_by_global_norm(config.clip), ro.adamw(schedule, weight_decay=0.0))
+        if mesh is not None:
+            adapters, rngs, base = rs.place((adapters, rngs, base), mesh)
+        opt_state = tx.init(adapters)
+        acc = ro.GradientAccumulator.init(adapters, jnp.float32)
+        if mesh is not None:
+            opt_state, acc = rs.place((opt_state, acc), mesh)
+        steps = rs.make_train_steps(
+            graphdef, tx, rm.causal_lm_loss_sum, mesh=mesh, eval_graphdef=eval_def
+        )
+        val_batches = [] if val_data is None else val_data.eval_batches()[: config.eval_batches]
+        leaves = jax.tree.leaves(base)
+        device_bytes = sum(
+            x.addressable_shards[0].data.nbytes if isinstance(x, jax.Array) else x.nbytes
+            for x in leaves
+        )
+        return cls(
+            config, mesh, graphdef, adapters, rngs, base, opt_state, acc, steps, schedule,
+            val_batches, sum(x.nbytes for x in leaves), device_bytes,
+        )  # fmt: skip
+
+    def say(self, *args: Any) -> None:
+        """Prints on process 0 only: one run, one voice."""
+        if self.primary:
+            print(*args, flush=True)
+
+    def _put(self, batch: dict[str, np.ndarray]) -> Any:
+        """This process's rows of a batch, placed on the mesh (as they are on one device)."""
+        if self.mesh is None:
+            return batch
+        return rs.put_batch(batch, self.mesh, self.config.batch_size)
+
+    def open_run(self, run: Run, identity: dict[str, Any]) -> tuple[rc.Checkpointer, bool]:
+        """Checks a resumed run's base and data, restores its latest checkpoint and writes
+        config.json, the session's first write: ``(checkpointer, resumed)``."""
+        config = self.config
+        # Where the base and the data are is not the run's (a resumed run may find them
+        # elsewhere, or take the default base): their identities stand for them.
+        self.record_config = config.run_flags() | identity
+        if config.resume:
+            _check_identity(run.run_dir, identity)
+        if self.primary:
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+        if run.multi:
+            multihost_utils.sync_global_devices("examples.finetune: run directory")
+        checkpointer = rr.open_checkpoints(run.run_dir, keep=config.keep)
+        resumed = config.resume and checkpointer.latest_step() is not None
+        if config.resume and not resumed:
+            self.say(f"--resume: {run.run_dir} has no checkpoint yet: starting from update 0")
+        if resumed:
+            try:
+                restored = rr.restore_latest(checkpointer, self.record(0))
+            except UsageError:
+                checkpointer.close()
+                raise
+            self.adapters, self.rngs = restored.model["adapters"], restored.model["rngs"]
+            self.opt_state, self.acc = restored.optimizer, restored.accumulator
+            self.step = restored.state["step"]
+            self.say(f"resumed {run.run_dir} at update {self.step} of {config.steps}")
+        # Written once every check has passed: a refused --resume leaves the run as it was.
+        saved = {**config.as_dict(), **identity, "base": str(run.base_dir)}
+        if self.primary:
+            (run.run_dir / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+        return checkpointer, resumed
+
+    def record(self, step: int) -> rc.TrainingRecord:
+        """What a checkpoint of update ``step`` holds."""
+        return rc.TrainingRecord.capture(
+            model={"adapters": self.adapters, "rngs": self.rngs},
+            optimizer=self.opt_state,
+            accumulator=self.acc,
+            state={"step": step},
+            config=self.record_config,
+        )
+
+    def update(self, data: FinetuneData) -> tuple[float, int, int, float]:
+        """Update ``step + 1`` over ``--grad-accum`` microbatches of ``data``: ``(loss,
+        counted tokens, real tokens, gradient norm)``; real tokens are the batch's, padding
+        left out, every process's rows counted."""
+        config = self.config
+        self.step += 1
+        window, real = [], 0
+        for a in range(config.grad_accum):
+            # this process's rows of the batch (all of them on one process)
+            i = (self.step - 1) * config.grad_accum + a
+            rows = data.batch(i, shard=jax.process_index(), num_shards=jax.process_count())
+            batch = self._put(rows)
+            if self.mesh is None:
+                real += int(np.count_nonzero(batch["segment_ids"]))
+            else:
+                real += int(_count_tokens(batch["segment_ids"]))
+            self.acc, self.rngs, m = self.steps.micro(
+                self.adapters, self.rngs, self.acc, self.base, batch
+            )
+            window.append(m)
+        self.adapters, self.opt_state, self.acc, norm = self.steps.apply(
+            self.adapters, self.opt_state, self.acc
+        )
+        window, norm = jax.device_get((window, norm))  # waits for the update
+        counted = sum(int(m["tokens"]) for m in window)
+        loss = sum(float(m["ce_sum"]) for m in window) / max(1, counted)
+        return loss, counted, real, float(norm)
+
+    def val_loss(self) -> float | None:
+        """The validation loss per counted token, dropout off (None: no validation data)."""
+        if not self.val_batches:
+            return None
+        ms = jax.device_get(
+            [
+                self.steps.evaluate(
+                    self.adapters, self.rngs, self.base, self._put(rs.local_rows(b))
+                )
+                for b in self.val_batches
+            ]
+        )
+        return sum(float(m["ce_sum"]) for m in ms) / max(1, sum(int(m["tokens"]) for m in ms))
+
+
+def _start_line(
+    run: Run,
+    tuner: _Tuner,
+    held: Held,
+    trained: rm.LlamaForCausalLM,
+    data: FinetuneData,
+) -> str:
+    """What the run holds and what this session does, in one line."""
+    config = run.config
+    n_adapters = sum(x.size for x in jax.tree.leaves(tuner.adapters))
     where = ""
-    if mesh is not None:
+    if run.mesh is not None:
         where = (
             f" over mesh {rs.mesh_text(config.mesh or {})} ({jax.process_count()} process(es); "
-            f"{base_device_bytes:,} base bytes per device)"
+            f"{tuner.base_device_bytes:,} base bytes per device)"
         )
-    say(
-        f"{base_dir}: {n_base:,} base parameters in {base_bytes:,} bytes "
-        f"({'NF4' if held.quantized else config.param_dtype}); LoRA r={config.rank} on "
-        f"{len(held.adapted)} layers: {n_adapters:,} trained. {train_data.num_examples} examples "
-        f"({train_data.path}), updates {step + 1} to {stop} of {config.steps}{where}"
+    return (
+        f"{run.base_dir}: {base_.parameter_count(trained.config):,} base parameters in "
+        f"{tuner.base_bytes:,} bytes ({'NF4' if held.quantized else config.param_dtype}); "
+        f"LoRA r={config.rank} on {len(held.adapted)} layers: {n_adapters:,} trained. "
+        f"{data.num_examples} examples ({data.path}), updates {tuner.step + 1} to {run.stop} "
+        f"of {config.steps}{where}"
     )
-    if step == 0:
-        log.write(kind="eval", step=0, val_loss=val_loss())
-    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True, disable=not primary)
+
+
+def _loop(
+    tuner: _Tuner,
+    run: Run,
+    data: FinetuneData,
+    checkpointer: rc.Checkpointer,
+    log: rr.MetricsLog,
+) -> tuple[dict[str, float | None], str | None]:
+    """The updates up to ``run.stop``, evaluated and checkpointed as the flags say:
+    ``(the last loss, validation loss and tokens/s, the interrupting signal's name)``.
+
+    Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the run
+    ends as --stop-at ends it (every process after the same update)."""
+    config = run.config
+    if tuner.step == 0:
+        log.write(kind="eval", step=0, val_loss=tuner.val_loss())
+    bar = tqdm(
+        total=run.stop, initial=tuner.step, unit="update", dynamic_ncols=True,
+        disable=not tuner.primary,
+    )  # fmt: skip
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
     clock, timed = None, 0
-    # Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the
-    # run ends as --stop-at ends it (every process after the same update).
     with rr.Interruptions() as interrupt:
         try:
-            while step < stop:
-                step += 1
-                window, real = [], 0
-                for a in range(config.grad_accum):
-                    # this process's rows of the batch (all of them on one process)
-                    batch = put(
-                        train_data.batch(
-                            (step - 1) * config.grad_accum + a,
-                            shard=jax.process_index(),
-                            num_shards=jax.process_count(),
-                        )
-                    )
-                    real += real_tokens(batch)  # tokens, not padding
-                    acc, rngs, m = steps.micro(adapters, rngs, acc, base, batch)
-                    window.append(m)
-                adapters, opt_state, acc, norm = steps.apply(adapters, opt_state, acc)
-                window, norm = jax.device_get((window, norm))  # waits for the update
-                counted = sum(int(m["tokens"]) for m in window)
-                loss = sum(float(m["ce_sum"]) for m in window) / max(1, counted)
+            while tuner.step < run.stop:
+                loss, counted, real, norm = tuner.update(data)
+                step = tuner.step
                 rr.check_loss(loss, step=step, latest=checkpointer.latest_step)
                 if clock is None:  # the first update compiled the steps: time from its end
                     clock = time.perf_counter()
@@ -300,23 +400,23 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
                     kind="train",
                     step=step,
                     loss=loss,
-                    lr=float(schedule(step - 1)),
-                    grad_norm=float(norm),
+                    lr=float(tuner.schedule(step - 1)),
+                    grad_norm=norm,
                     counted_tokens=counted,
                     tokens_per_s=rate,
                 )
                 paused = False
                 if step % config.eval_every == 0 or step == config.steps:
-                    last["val_loss"] = val_loss()
+                    last["val_loss"] = tuner.val_loss()
                     log.write(kind="eval", step=step, val_loss=last["val_loss"])
-                    (bar.write if primary else say)(
+                    (bar.write if tuner.primary else tuner.say)(
                         f"update {step}: train loss {loss:.4f}, val loss {_show(last['val_loss'])}"
                     )
                     paused = True
                 halt = interrupt.stop_after(step)  # every update, on every process
-                if step % config.checkpoint_every == 0 or step == stop or halt:
-                    rr.check_finite(adapters, step=step, latest=checkpointer.latest_step)
-                    checkpointer.save(step, record(step))
+                if step % config.checkpoint_every == 0 or step == run.stop or halt:
+                    rr.check_finite(tuner.adapters, step=step, latest=checkpointer.latest_step)
+                    checkpointer.save(step, tuner.record(step))
                     paused = True
                 if paused:  # evaluation and checkpoints are not training throughput
                     clock, timed = time.perf_counter(), 0
@@ -328,128 +428,57 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
         finally:
             bar.close()
             checkpointer.close()
-
-    # --------------------------------------------------------------------------- output
     log.close()
-    plot = run_dir / "loss.png"
-    if primary:
-        title = f"{run_dir.name}: LoRA r={config.rank} on {base_dir}"
-        rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
-    result: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "step": step,
-        "base_sha256": base_digest,
-        "base_bytes": base_bytes,
-        "base_device_bytes": base_device_bytes,
-        "adapted": held.adapted,
-        "samples": samples,
-        **last,
-        "peak_rss_bytes": _peak_rss_bytes(),
-        "interrupted": interrupt.signal_name,
-    }
-    if step < config.steps:
-        why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
-        say(
-            f"stopped at update {step} of {config.steps} ({why}); continue with: "
-            f"python -m examples.finetune --resume --run-dir {run_dir}"
-        )
-        return result
-    nnx.update(trained, adapters, rngs)
-    if mesh is not None and model is not None:
-        rm.gather_adapters_into(model, trained)  # the adapters whole, on every process
-    if sampling:
-        when = f"update {step}"
-        samples[step] = _sample(sampler, tokenizer, sample_data, config.sample_tokens, when)
+    if tuner.primary:
+        title = f"{run.run_dir.name}: LoRA r={config.rank} on {run.base_dir}"
+        rr.plot_losses(rr.read_metrics(log.path), run.run_dir / "loss.png", title=title)
+    return last, interrupt.signal_name
+
+
+def _write_outputs(
+    config: FinetuneConfig,
+    run: Run,
+    held: Held,
+    model: rm.LlamaForCausalLM | None,
+    trained: rm.LlamaForCausalLM,
+    out: Path,
+    log: rr.MetricsLog,
+    last: dict[str, float | None],
+) -> None:
+    """Process 0's end of a complete run: the PEFT adapter (with rudax_base.json), the
+    merged model if ``--merged``, and the summary."""
     if model is None:  # read onto the mesh: the adapters gathered into a model of no weights
         saver = rm.gather_adapters(trained, held.add_adapters)
     else:
         saver = model
         model.scan_layers = False  # peft's files name each layer's adapters (converted in place)
-    sampler.eval()
-    out = _adapter_dir(config, run_dir)
-    if not primary:  # process 0 writes the adapter (and the merged model)
-        return result | {"adapter": str(out), "model": sampler}
-    rl.save_adapter(saver, out, base_model_name_or_path=str(base_dir))
+    rl.save_adapter(saver, out, base_model_name_or_path=str(run.base_dir))
     held.write_beside(out)
     if config.merged:
         if model is None:  # the base whole, only now, with the trained adapters on
             _, merged = base_.load(
-                base_dir, None, held.add_adapters, scan_layers=False, **held.load_kw
+                run.base_dir, None, held.add_adapters, scan_layers=False, **held.load_kw
             )
             nnx.update(merged, nnx.state(saver, rl.LoRAParam))
         else:
             merged = nnx.clone(model)  # the returned model keeps its adapters
         rl.merge_lora(merged)
-        rm.save_pretrained(merged, config.merged, tokenizer=base_dir)
+        rm.save_pretrained(merged, config.merged, tokenizer=run.base_dir)
         print(f"merged model: {config.merged} (a Hugging Face checkpoint)")
-    result["peak_rss_bytes"] = peak = _peak_rss_bytes()  # the merge's copy included
     print(
         f"final train loss {_show(last['loss'])}, val loss {_show(last['val_loss'])}, "
-        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s, host peak RSS {peak / 1e9:.2f} GB"
-        f"\nmetrics: {log.path}\nloss curve: {plot}\nadapter: {out} "
-        f"(peft.PeftModel.from_pretrained(<{base_dir}'s model>, it))"
+        f"{_show(last['tokens_per_s'], ',.0f')} tokens/s, host peak RSS "
+        f"{_peak_rss_bytes() / 1e9:.2f} GB\nmetrics: {log.path}\nloss curve: "
+        f"{run.run_dir / 'loss.png'}\nadapter: {out} "
+        f"(peft.PeftModel.from_pretrained(<{run.base_dir}'s model>, it))"
     )
-    return result | {"adapter": str(out), "model": sampler}
 
 
 # ------------------------------------------------------------------------------- helpers
 
 
-class _Run(NamedTuple):
-    """What the configuration step decided: the flags (a resumed run's with this session's on
-    top), where the run, the base and the data are, and the mesh."""
-
-    config: FinetuneConfig
-    run_dir: Path
-    stop: int  # the last update of this session
-    base_dir: Path
-    train_path: Path
-    val_path: Path | None
-    too_long: str  # what --too-long means for this data: "error" or "drop"
-    mesh: jax.sharding.Mesh | None
-    multi: bool  # several processes
-
-
-def _configure(config: FinetuneConfig, given: set[str] | None) -> _Run:
-    """The processes joined and every flag checked against the disk (the run directory, the
-    base, the data's paths) and the devices: a refusal comes before anything is written."""
-    # First, before anything starts a JAX backend.
-    try:
-        multi = rr.initialize_from_flags(config)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    if multi and not (config.run_dir or config.name):
-        # the default name is the time, which each process reads for itself
-        raise UsageError("several processes write one run: give it a --name or --run-dir")
-
-    run_dir = _run_dir(config)
-    if config.resume:
-        config = _run_flags(config, run_dir, given)  # the run's flags, this session's on top
-    elif (run_dir / "config.json").exists():
-        _check_finetune_run(run_dir)
-        raise UsageError(f"{run_dir} already holds a run: continue it with --resume")
-    _check_flags(config, run_dir)
-    stop = config.steps if config.stop_at is None else min(config.stop_at, config.steps)
-    base_dir = _base_dir(config.base)
-    train_path, val_path, generated = _data_paths(config)
-    too_long = config.too_long or ("drop" if generated else "error")
-    if multi and not config.mesh:
-        raise UsageError(
-            "several processes tune one model over a mesh of all their devices: give --mesh "
-            "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
-        )
-    rr.retain_freed_memory()  # before JAX starts its CPU client: each step's scratch is reused
-    try:
-        mesh = None if not config.mesh else rs.make_mesh(config.mesh)
-    except ValueError as e:
-        raise UsageError(f"--mesh {e}") from e
-    if multi:  # every process has checked the run directory before any writes to it
-        multihost_utils.sync_global_devices("examples.finetune: checked")
-    return _Run(config, run_dir, stop, base_dir, train_path, val_path, too_long, mesh, multi)
-
-
 def _load_base(
-    config: FinetuneConfig, run: _Run, hf_config: dict[str, Any], held: Held
+    config: FinetuneConfig, run: Run, hf_config: dict[str, Any], held: Held
 ) -> tuple[rm.LlamaForCausalLM | None, rm.LlamaForCausalLM, str, bool]:
     """The base with its adapters: ``(model, trained, base_digest, legacy)``, ``trained``
     read onto the mesh (each process its shards) or whole; ``model`` the whole one when a
@@ -473,7 +502,7 @@ def _load_base(
 
 
 def _read_data(
-    config: FinetuneConfig, run: _Run
+    config: FinetuneConfig, run: Run
 ) -> tuple[rm.ModelTokenizer, dict[str, Any], FinetuneData, FinetuneData | None]:
     """The base's tokenizer and config.json, and the data read with it (``--data``, and
     ``--val-data`` if any); a bad file, line or length is a UsageError naming it."""
@@ -501,6 +530,12 @@ def _read_data(
         val_data = None if run.val_path is None else read(run.val_path, False)
     except (DataError, ValueError) as e:
         raise UsageError(str(e)) from e
+    for name, data in (("--data", train_data), ("--val-data", val_data)):
+        if data is not None and data.dropped and jax.process_index() == 0:
+            print(
+                f"{name} {data.path}: {len(data.dropped)} examples longer than --seq-len "
+                f"{config.seq_len} left out (--too-long drop)"
+            )
     return tokenizer, hf_config, train_data, val_data
 
 
@@ -540,136 +575,6 @@ def _peak_rss_bytes() -> int:
 
 def _show(x: float | None, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
-
-
-def _run_dir(config: FinetuneConfig) -> Path:
-    if config.run_dir:
-        return Path(config.run_dir)
-    return Path(config.runs_dir) / (config.name or time.strftime("finetune-%Y%m%d-%H%M%S"))
-
-
-def _adapter_dir(config: FinetuneConfig, run_dir: Path) -> Path:
-    return Path(config.export) if config.export else run_dir / "adapter"
-
-
-def _run_flags(config: FinetuneConfig, run_dir: Path, given: set[str] | None) -> FinetuneConfig:
-    """--resume: the run's flags from its config.json; this session's flags on top."""
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
-    _check_finetune_run(run_dir)
-    if given is None:
-        defaults = FinetuneConfig.defaults().as_dict()
-        given = {k for k, v in config.as_dict().items() if v != defaults[k]}
-    try:
-        return config.resumed(saved, given)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def _check_finetune_run(run_dir: Path) -> None:
-    """A run directory of another program (``examples.lm.train``'s, which shares ``runs/``)
-    is named as such: neither continued nor overwritten."""
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-    except ValueError:
-        saved = None
-    if not (isinstance(saved, dict) and {"targets", "rank", "base_sha256"} <= saved.keys()):
-        raise UsageError(
-            f"{run_dir} holds a run that is not a fine-tuning run (its config.json has no "
-            "targets, rank or base digest: examples.lm.train's, say, which also writes to "
-            "runs/): give this run another --name or --run-dir"
-        )
-
-
-def _check_flags(config: FinetuneConfig, run_dir: Path) -> None:
-    """The shared flags (``examples.policy``'s checks; --base and --data have defaults
-    here), then the fine-tuner's own."""
-    check_flags(config, required=())
-    for name in ("seq_len", "eval_batches"):
-        value = getattr(config, name)
-        if not value > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if config.scan_layers and config.dropout:
-        raise UsageError(
-            f"--scan-layers needs --dropout 0, got --dropout {config.dropout}: a scan would draw "
-            "the same dropout masks in every block"
-        )
-    if config.merged:
-        merged = Path(config.merged)
-        if merged.exists() and not merged.is_dir():
-            raise UsageError(f"--merged {merged}: a file, not a directory")
-        base = Path(config.base) if config.base is not None else DEFAULT_BASE
-        if merged.resolve() == base.resolve():
-            raise UsageError(f"--merged {merged} is the base itself, which is only read")
-        if merged.resolve() == _adapter_dir(config, run_dir).resolve():
-            raise UsageError(f"--merged {merged} is the adapter's directory: write elsewhere")
-        if (merged / "model.safetensors.index.json").exists():
-            raise UsageError(f"--merged {merged} holds a sharded checkpoint: write elsewhere")
-        if config.quantize != "none" and set(config.targets) != set(rm.PROJECTIONS):
-            raise UsageError(
-                f"--merged with --quantize {config.quantize} needs every projection adapted "
-                f"(--targets {','.join(rm.PROJECTIONS)}): the others would stay 4-bit, "
-                "which a Hugging Face checkpoint cannot hold"
-            )
-    if config.sample_tokens < 0:
-        raise UsageError(f"--sample-tokens must be >= 0, got {config.sample_tokens}")
-
-
-def _base_dir(base: str | None) -> Path:
-    """--base, or hf/base, exported from runs/base (the main job's run) if it is not there."""
-    if base is not None:
-        path = Path(base)
-        if not _is_hf_dir(path):
-            raise UsageError(
-                f"--base {path}: no config.json with a model_type, so not an HF checkpoint"
-            )
-        return path
-    if _is_hf_dir(DEFAULT_BASE):
-        return DEFAULT_BASE
-    if not (DEFAULT_BASE_RUN / "checkpoints").is_dir():
-        raise UsageError(
-            f"no --base, and neither {DEFAULT_BASE} nor the run {DEFAULT_BASE_RUN} exists: run "
-            "python -m examples.lm.train --name base first, or pass --base <HF dir>"
-        )
-    # The trainer's own command, run as a user would: its checkpoint format is its business.
-    command = [sys.executable, "-m", "examples.lm.export", str(DEFAULT_BASE_RUN)]
-    command.append(str(DEFAULT_BASE))
-    print(f"exporting {DEFAULT_BASE_RUN} to {DEFAULT_BASE}: {' '.join(command[1:])}")
-    # The directory holding examples/, wherever this process was started from.
-    root = str(Path(__file__).resolve().parents[2])
-    paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    if subprocess.run(command, check=False, env=env).returncode != 0:
-        raise UsageError(
-            f"exporting {DEFAULT_BASE_RUN} to {DEFAULT_BASE} failed (see above): pass --base "
-            "<HF dir>, or export the run yourself"
-        )
-    return DEFAULT_BASE
-
-
-def _is_hf_dir(path: Path) -> bool:
-    """Whether path holds a Hugging Face model: a config.json with a ``model_type``."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "model_type" in config
-
-
-def _data_paths(config: FinetuneConfig) -> tuple[Path, Path | None, bool]:
-    """(train, val, generated): --data/--val-data, or the standard-library set, made once."""
-    if config.data is not None:
-        return Path(config.data), None if config.val_data is None else Path(config.val_data), False
-    if not (DEFAULT_DATA / instructions.TRAIN).exists():
-        counts = instructions.write(DEFAULT_DATA)
-        print(
-            f"{DEFAULT_DATA}: {counts['train']} training and {counts['val']} validation "
-            "examples from the standard library's docstrings"
-        )
-    val = Path(config.val_data) if config.val_data else DEFAULT_DATA / instructions.VAL
-    return DEFAULT_DATA / instructions.TRAIN, val, True
 
 
 def _identity(data: FinetuneData) -> dict[str, Any]:

@@ -6,29 +6,29 @@ from __future__ import annotations
 import filecmp
 import shutil
 
-from examples.finetune import instructions
-from examples.finetune import train as finetune
+from examples.finetune import config, instructions, setup
 from examples.lm import hf_init
+from rudax.run import UsageError
 
 
 def test_no_base_exports_the_main_jobs_run_once(exported_run, tmp_path, monkeypatch, capsys):
     summary, fixture_hf = exported_run
     monkeypatch.chdir(tmp_path)
     shutil.copytree(summary["run_dir"], tmp_path / "runs" / "base")
-    assert finetune._base_dir(None) == finetune.DEFAULT_BASE
+    assert setup.find_base(None) == config.DEFAULT_BASE
     assert "exporting runs/base to hf/base" in capsys.readouterr().out
     assert hf_init.is_hf_dir(tmp_path / "hf" / "base")
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert filecmp.cmp(tmp_path / "hf" / "base" / name, fixture_hf / name, shallow=False)
-    assert finetune._base_dir(None) == finetune.DEFAULT_BASE  # there now: not exported again
+    assert setup.find_base(None) == config.DEFAULT_BASE  # there now: not exported again
     assert "exporting" not in capsys.readouterr().out
 
 
 def test_no_base_and_no_run_says_what_to_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     try:
-        finetune._base_dir(None)
-    except finetune.UsageError as e:
+        setup.find_base(None)
+    except UsageError as e:
         assert "python -m examples.lm.train --name base" in str(e)
     else:
         raise AssertionError("no UsageError")
@@ -45,12 +45,12 @@ def test_no_data_makes_the_instruction_set_once(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(instructions, "stdlib_root", lambda: source)
     monkeypatch.chdir(tmp_path)
-    args = finetune.build_parser().parse_args([])
-    train, val, generated = finetune._data_paths(args)
-    assert generated and train == finetune.DEFAULT_DATA / "train.jsonl"
-    assert val == finetune.DEFAULT_DATA / "val.jsonl"
+    args = config.build_parser().parse_args([])
+    train, val, generated = setup.find_data(args)
+    assert generated and train == config.DEFAULT_DATA / "train.jsonl"
+    assert val == config.DEFAULT_DATA / "val.jsonl"
     rows = train.read_text().splitlines() + val.read_text().splitlines()
     assert len(rows) == 40
     stamp = train.stat().st_mtime_ns
-    finetune._data_paths(args)
+    setup.find_data(args)
     assert train.stat().st_mtime_ns == stamp  # made once
