@@ -43,7 +43,9 @@ def merge_lora(model: nnx.Module, *, names: ModuleNames | None = None) -> list[s
     computed in fp32 at full matmul precision, the bias unchanged, and the base's ``Frozen``
     variables re-tagged ``nnx.Param`` (trainable again, as peft's ``merge_and_unload`` leaves
     them). Dropout plays no part: the merged model computes the adapter's eval-mode output.
-    Called outside ``jit``: it replaces modules.
+    Called outside ``jit``: it replaces modules. A layer whose adapter is switched off
+    (``adapter_enabled`` False, inside ``adapters_disabled``) is a ValueError naming it, the
+    model unchanged: merging it would change what the model computes.
 
     An ``NF4Linear`` base (QLoRA) becomes a dense ``rudax.layers.Linear`` with ``kernel =
     round(nf4_dequantize(W, f32).T + s * f32(A) @ f32(B))`` in the weight's original dtype
@@ -86,6 +88,15 @@ def merge_lora(model: nnx.Module, *, names: ModuleNames | None = None) -> list[s
     ]
     if not found:
         raise ValueError(f"merge_lora: the model has no LoRALinear layer: {type(model).__name__}")
+    # A switched-off layer computes its base alone: folding its adapter in would change the
+    # function the model computes, and a merge inside adapters_disabled is a mistake.
+    off = [".".join(map(str, path)) for path, lora in found if not lora.adapter_enabled]
+    if off:
+        raise ValueError(
+            f"merge_lora: the adapters of {', '.join(off)} are switched off (adapter_enabled="
+            "False, as inside rudax.layers.adapters_disabled): merging would fold in adapters "
+            "the model does not apply; merge outside the block"
+        )
     duplicates = [[_as_path(p) for p in paths] for paths in nnx.find_duplicates(model)]
     # A LoRALinear held at several paths (built by hand) is replaced at all of them.
     holders = [next((ps for ps in duplicates if path in ps), [path]) for path, _ in found]

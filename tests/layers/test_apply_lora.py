@@ -432,6 +432,23 @@ def test_refuses_a_layer_in_a_tuple():
     assert type(model.fixed[0]) is rl.LoRALinear
 
 
+def test_merge_refuses_adapters_that_are_switched_off():
+    """Inside adapters_disabled the model computes its base: a merge there would fold in
+    adapters it does not apply. Refused, naming the layers, the model left as it was."""
+    rngs = nnx.Rngs(0)
+    model = nnx.Dict(q=rl.Linear(4, 4, rngs=rngs), v=rl.Linear(4, 4, rngs=rngs))
+    rl.apply_lora(model, ["q", "v"], rank=2, alpha=2.0, rngs=nnx.Rngs(1))
+    with rl.adapters_disabled(model):
+        with pytest.raises(ValueError, match=r"merge_lora: the adapters of q, v are switched off"):
+            rl.merge_lora(model)
+    assert all(isinstance(model[k], rl.LoRALinear) for k in ("q", "v"))
+    model["v"].adapter_enabled = False  # by hand
+    with pytest.raises(ValueError, match=r"the adapters of v are switched off"):
+        rl.merge_lora(model)
+    model["v"].adapter_enabled = True
+    assert rl.merge_lora(model) == ["q", "v"]
+
+
 def test_merge_and_state_bad_input():
     with pytest.raises(ValueError, match=r"merge_lora: the model has no LoRALinear layer"):
         rl.merge_lora(Net(nnx.Rngs(0)))
