@@ -26,13 +26,11 @@ The run, top to bottom:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import rudax.post_train as rp
-import rudax.run as rr
-from examples.dpo.config import DPOConfig, build_parser
+from examples.dpo.config import DPOConfig
 from examples.dpo.data import PreferenceData
 from examples.policy.session import Session
 from rudax.run import UsageError
@@ -41,10 +39,7 @@ from rudax.run import UsageError
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the program; returns what it reports (for tests). Exit statuses as
     ``rudax.run.run_program``'s: 2 a bad command line or data, 128 + a signal's number."""
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    config = DPOConfig.from_flags(parser.parse_args(argv))
-    return rr.run_program(parser, lambda: dpo(config, rr.given_flags(parser, argv)))
+    return DPOConfig.main(dpo, argv)
 
 
 def dpo(config: DPOConfig, given: set[str] | None = None) -> dict[str, Any]:

@@ -80,7 +80,6 @@ from examples.finetune import base as base_
 from examples.finetune import mesh as mesh_
 from examples.finetune.config import (
     FinetuneConfig,
-    build_parser,
 )
 from examples.finetune.data import FinetuneData
 from examples.finetune.setup import Run, adapter_dir, configure
@@ -96,10 +95,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     checkpoints it, prints the ``--resume`` line as ``--stop-at`` does, and exits with 128 +
     the signal's number (130, 143); a second Ctrl-C stops at once.
     """
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    config = FinetuneConfig.from_flags(parser.parse_args(argv))
-    return rr.run_program(parser, lambda: finetune(config, rr.given_flags(parser, argv)))
+    return FinetuneConfig.main(finetune, argv)
 
 
 def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str, Any]:

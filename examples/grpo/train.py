@@ -30,7 +30,6 @@ The run, top to bottom:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ import numpy as np
 import rudax.models as rm
 import rudax.post_train as rp
 import rudax.run as rr
-from examples.grpo.config import GRPOConfig, build_parser
+from examples.grpo.config import GRPOConfig
 from examples.grpo.data import PromptData
 from examples.grpo.mesh import mesh_score
 from examples.policy.rows import pad_rows
@@ -52,10 +51,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the program; returns what it reports (for tests). Exit statuses as
     ``rudax.run.run_program``'s: 2 a bad command line or data, 1 a reward function that
     fails or a sampler that disagrees with the trainer, 128 + a signal's number."""
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    config = GRPOConfig.from_flags(parser.parse_args(argv))
-    return rr.run_program(parser, lambda: grpo(config, rr.given_flags(parser, argv)))
+    return GRPOConfig.main(grpo, argv)
 
 
 def grpo(config: GRPOConfig, given: set[str] | None = None) -> dict[str, Any]:

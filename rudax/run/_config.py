@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self
+
+from rudax.run._cli import given_flags
+from rudax.run._program import run_program
 
 __all__ = ["RunConfig"]
 
@@ -50,6 +55,37 @@ class RunConfig:
     PARSER: ClassVar[Any]
     SESSION_FLAGS: ClassVar[tuple[str, ...]] = ()
     PLACES: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def main(
+        cls,
+        body: Callable[[Self, set[str]], dict[str, Any]],
+        argv: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """A program's ``main``: parses ``argv`` (None: ``sys.argv[1:]``) with ``PARSER`` and
+        runs ``body(config, given)`` under ``rudax.run.run_program`` (exit statuses, fail
+        fast, strict dtype promotion), ``given`` the flags typed on the command line
+        (``rudax.run.given_flags``: what a resumed run checks against its own). Returns the
+        body's summary.
+
+        Example:
+          >>> import argparse, dataclasses
+          >>> from rudax.run import RunConfig
+          >>> def build_parser():
+          ...     p = argparse.ArgumentParser(prog="demo", allow_abbrev=False)
+          ...     p.add_argument("--lr", type=float, default=0.1)
+          ...     return p
+          >>> @dataclasses.dataclass(frozen=True)
+          ... class Config(RunConfig):
+          ...     PARSER = build_parser
+          ...     lr: float
+          >>> Config.main(lambda config, given: {"lr": config.lr, "given": given}, ["--lr", "1"])
+          {'lr': 1.0, 'given': {'lr'}}
+        """
+        parser = cls.PARSER()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        config = cls.from_flags(parser.parse_args(argv))
+        return run_program(parser, lambda: body(config, given_flags(parser, argv)))
 
     @classmethod
     def from_flags(cls, flags: argparse.Namespace | dict[str, Any]) -> Self:
