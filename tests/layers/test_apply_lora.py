@@ -18,78 +18,30 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 import rudax.layers as rl
+from tests.layers import _twins as twins
 from tests.layers._random import normal
+from tests.layers._twins import Dims, modules_by_name
 from tests.optim._bad_input import rejects
 
 D, H, OUT, LAYERS = 8, 12, 5, 2
+DIMS = Dims(d=D, h=H, out=OUT, layers=LAYERS, norm=True)
 
 
-class TorchBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.q_proj = nn.Linear(D, D)
-        self.v_proj = nn.Linear(D, D, bias=False)
-        self.mlp = nn.ModuleDict({"up": nn.Linear(D, H), "down": nn.Linear(H, D)})
-
-    def forward(self, x):
-        h = self.norm(x)
-        h = x + self.q_proj(h) * torch.sigmoid(self.v_proj(h))
-        return h + self.mlp["down"](torch.relu(self.mlp["up"](h)))
+def TorchNet(seed=0):  # the twins at this file's sizes
+    return twins.TorchNet(DIMS, seed)
 
 
-class TorchNet(nn.Module):
-    def __init__(self, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.layers = nn.ModuleList([TorchBlock() for _ in range(LAYERS)])
-        self.head = nn.Linear(D, OUT)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+def Net(rngs):
+    return twins.Net(DIMS, rngs)
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.norm = rl.LayerNorm(D, impl="xla")
-        self.q_proj = rl.Linear(D, D, rngs=rngs)
-        self.v_proj = nnx.Linear(D, D, use_bias=False, rngs=rngs)  # flax's own Linear too
-        self.mlp = nnx.Dict(up=rl.Linear(D, H, rngs=rngs), down=rl.Linear(H, D, rngs=rngs))
-
-    def __call__(self, x):
-        h = self.norm(x)
-        h = x + self.q_proj(h) * jax.nn.sigmoid(self.v_proj(h))
-        return h + self.mlp["down"](jax.nn.relu(self.mlp["up"](h)))
-
-
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.layers = nnx.List([Block(rngs) for _ in range(LAYERS)])
-        self.head = rl.Linear(D, OUT, rngs=rngs)
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def modules_by_name(model):
-    """The model's modules by dotted nnx path, the default ModuleNames."""
-    return {".".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
+def Block(rngs):
+    return twins.Block(DIMS, rngs)
 
 
 def twin(torch_net):
-    """The nnx Net with torch_net's weights (torch stores a Linear's weight [out, in])."""
-    model = Net(nnx.Rngs(0))
-    mods = modules_by_name(model)
-    for name, t in torch_net.named_modules():
-        if isinstance(t, nn.Linear):
-            mods[name].kernel[...] = jnp.asarray(t.weight.detach().numpy().T)
-            if t.bias is not None:
-                mods[name].bias[...] = jnp.asarray(t.bias.detach().numpy())
-    return model
+    """The nnx Net with torch_net's weights."""
+    return twins.twin(DIMS, torch_net)
 
 
 def peft_adapted(peft_model):

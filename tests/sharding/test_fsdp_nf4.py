@@ -4,7 +4,7 @@ bare NF4Linear layers computes the one-device outputs and adapter gradients, and
 codes and absmax bit for bit, never cast to the compute dtype.
 
 The reference is the unsharded model on one device, with the sum of the ranks' local losses
-written as one loss over the whole batch (as tests/sharding/test_fsdp_lora.py).
+written as one loss over the whole batch (tests/sharding/_fsdp_blocks.py).
 """
 
 import jax
@@ -12,15 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rudax.layers as rl
 import rudax.sharding as rs
 from tests.layers._random import normal
+from tests.sharding._fsdp_blocks import (
+    AX,
+    N,
+    make_mesh,
+    outputs_and_adapter_grads,
+    two_blocks,
+)
 
-N = 8
-AX = "fsdp"
 # q, v: 256 weights; up, down: 320 = 5 blocks of 64, whose 5 absmax codes over 8 ranks leave
 # three ranks with padding only; the offset is a scalar (one element, seven ranks padding).
 D, H = 16, 20
@@ -29,26 +33,8 @@ ADAPTED = ("q_proj", "v_proj", "down")
 pytestmark = pytest.mark.skipif(jax.device_count() < N, reason=f"needs {N} devices")
 
 
-def _mesh(kind):
-    if kind == "explicit":
-        return jax.make_mesh((N,), (AX,), devices=jax.devices()[:N])
-    return jax.sharding.Mesh(np.array(jax.devices()[:N]), (AX,))
-
-
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.q_proj = rl.Linear(D, D, rngs=rngs)
-        self.v_proj = nnx.Linear(D, D, use_bias=False, rngs=rngs)  # flax's Linear as a base too
-        self.up = rl.Linear(D, H, rngs=rngs)
-        self.down = rl.Linear(H, D, rngs=rngs)
-
-    def __call__(self, x):
-        h = x + self.q_proj(x) * jax.nn.sigmoid(self.v_proj(x))
-        return h + self.down(jax.nn.relu(self.up(h)))
-
-
 def _model():
-    model = nnx.Dict(layers=nnx.List([Block(nnx.Rngs(0)), Block(nnx.Rngs(1))]))
+    model = two_blocks(D, H)
     names = rl.apply_lora(
         model,
         list(ADAPTED),
@@ -73,12 +59,6 @@ def _bits(x):
     return x.view(f"u{x.dtype.itemsize}")
 
 
-def _forward(model, x):
-    for block in model["layers"]:
-        x = block(x)
-    return x
-
-
 def _shard(model, ctx, compute_dtype=None):
     for block in model["layers"]:
         for name in ADAPTED:
@@ -88,7 +68,7 @@ def _shard(model, ctx, compute_dtype=None):
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_sharded_qlora_gives_the_one_device_outputs_and_adapter_gradients(kind):
-    mesh = _mesh(kind)
+    mesh = make_mesh(kind)
     ref = _model()
     model = _model()
     _shard(model, rs.ShardingContext(mesh, AX))
@@ -100,38 +80,9 @@ def test_sharded_qlora_gives_the_one_device_outputs_and_adapter_gradients(kind):
     assert {v.get_value().dtype for v in flat} == {np.dtype(np.uint8), np.dtype(np.float32)}
     assert all(isinstance(v.get_value(), rs.ShardedParameter) for v in flat)
 
-    x = normal((2 * N, 3, D), 7)
-    w = normal((2 * N, 3, D), 8)
-    ref_graph, ref_adapters, ref_rest = nnx.split(ref, rl.LoRAParam, ...)
-
-    def ref_loss(p):
-        y = _forward(nnx.merge(ref_graph, p, ref_rest), x)
-        return jnp.sum(y * w), y
-
-    (_, y_ref), g_ref = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))(ref_adapters)
-
-    graph, adapters, rest = nnx.split(model, rl.LoRAParam, ...)
-
-    def local(p, r, x, w):
-        y = _forward(nnx.merge(graph, p, r), x)
-        return jnp.sum(y * w)[None], y
-
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=P(AX), out_specs=P(AX))
-
-    def loss(p, x, w):
-        losses, y = sharded(p, rest, x, w)
-        return jnp.sum(losses), y
-
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AX)))
-    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(adapters, put(x), put(w))
+    y, y_ref, got, expected, _ = outputs_and_adapter_grads(ref, model, mesh, D)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-
     # Each adapter's gradient, reduce-scattered to its shards, unshards to the one-device one.
-    expected = {p: v.get_value() for p, v in nnx.to_flat_state(g_ref)}
-    got = {}
-    for (_, i, name, _, k), var in nnx.to_flat_state(g):  # layers, i, name, variables, k
-        path = getattr(model["layers"][i], name).paths[k]
-        got[("layers", i, name, *path)] = var.get_value().unshard()
     assert sorted(got) == sorted(expected) and len(got) == 12
     for path, value in expected.items():
         scale = np.abs(np.asarray(value)).max()
@@ -144,7 +95,7 @@ def test_sharded_qlora_gives_the_one_device_outputs_and_adapter_gradients(kind):
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_quantized_storage_is_gathered_bitwise_without_the_compute_dtype(kind):
-    mesh = _mesh(kind)
+    mesh = make_mesh(kind)
     ref = _model()
     model = _model()
     _shard(model, rs.ShardingContext(mesh, AX), compute_dtype=jnp.bfloat16)
@@ -186,7 +137,7 @@ def test_quantized_storage_is_gathered_bitwise_without_the_compute_dtype(kind):
 
 
 def test_parameter_takes_quantized_integer_storage_and_refuses_it_elsewhere():
-    ctx = rs.ShardingContext(_mesh("auto"), AX)
+    ctx = rs.ShardingContext(make_mesh("auto"), AX)
     codes = rl.Quantized(jnp.arange(10, dtype=jnp.uint8))
     sharded = ctx.parameter(codes)
     assert type(sharded) is rl.Quantized
