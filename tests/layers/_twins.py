@@ -6,6 +6,9 @@ the torch weights into the nnx model. Each test file fixes the sizes with its ``
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +97,9 @@ def twin(dims: Dims, torch_net: TorchNet) -> Net:
             if t.bias is not None:
                 mods[name].bias[...] = jnp.asarray(t.bias.detach().numpy())
     return model
+
+
+def at(dims: Dims) -> tuple[Callable[..., Any], ...]:
+    """``(TorchNet, Net, Block, twin)`` at one file's sizes: ``TorchNet(seed=0)``,
+    ``Net(rngs)``, ``Block(rngs)``, ``twin(torch_net)``."""
+    return tuple(functools.partial(f, dims) for f in (TorchNet, Net, Block, twin))

@@ -27,21 +27,7 @@ D, H, OUT, LAYERS = 8, 12, 5, 2
 DIMS = Dims(d=D, h=H, out=OUT, layers=LAYERS, norm=True)
 
 
-def TorchNet(seed=0):  # the twins at this file's sizes
-    return twins.TorchNet(DIMS, seed)
-
-
-def Net(rngs):
-    return twins.Net(DIMS, rngs)
-
-
-def Block(rngs):
-    return twins.Block(DIMS, rngs)
-
-
-def twin(torch_net):
-    """The nnx Net with torch_net's weights."""
-    return twins.twin(DIMS, torch_net)
+TorchNet, Net, Block, twin = twins.at(DIMS)  # the twins at this file's sizes
 
 
 def peft_adapted(peft_model):

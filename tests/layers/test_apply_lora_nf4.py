@@ -27,21 +27,7 @@ ADAPTED = sorted(f"layers.{i}.{n}" for i in range(LAYERS) for n in ("q_proj", "v
 DIMS = Dims(d=D, h=H, out=OUT, layers=LAYERS, norm=False)
 
 
-def TorchNet(seed=0):  # the twins at this file's sizes
-    return twins.TorchNet(DIMS, seed)
-
-
-def Net(rngs):
-    return twins.Net(DIMS, rngs)
-
-
-def Block(rngs):
-    return twins.Block(DIMS, rngs)
-
-
-def twin(torch_net):
-    """The nnx Net with torch_net's weights."""
-    return twins.twin(DIMS, torch_net)
+TorchNet, Net, Block, twin = twins.at(DIMS)  # the twins at this file's sizes
 
 
 def dequantized_twin(model):
