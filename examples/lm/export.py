@@ -55,8 +55,9 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, 
     Raises:
       UsageError: the run, its checkpoints or its data directory are missing or unusable.
     """
-    # Imported here: the trainer and its imports (tqdm, the data pipeline) only for the CLI.
-    from examples.lm import train
+    # Imported here: the trainer's setup and its imports (the data pipeline) only for the CLI.
+    from examples.lm import config as cfg
+    from examples.lm import setup
     from examples.lm.prepare import read_prepared
     from examples.lm.step import model_spec, shard
 
@@ -65,13 +66,13 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, 
         saved = json.loads((run_dir / "config.json").read_text())
     except FileNotFoundError:
         raise UsageError(f"{run_dir} holds no run (no config.json)") from None
-    if saved.get("model") != train.cfg.MODEL:
+    if saved.get("model") != cfg.MODEL:
         raise UsageError(
             f"{run_dir} was trained by an earlier examples.lm.train (a GPT): export it with "
             "the rudax version that wrote it"
         )
-    flags = train.cfg.TrainConfig.of_run(saved)
-    data_dir = Path(flags.data_dir or train._default_data_dir(flags.data))
+    flags = cfg.TrainConfig.of_run(saved)
+    data_dir = Path(flags.data_dir or setup.default_data_dir(flags.data))
     try:
         meta = read_prepared(data_dir)
     except (FileNotFoundError, ValueError) as e:

@@ -36,13 +36,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,16 +51,13 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 import rudax.checkpoint as rc
-import rudax.kernels as rk
 import rudax.models as rm
 import rudax.optim as ro
 import rudax.run as rr
 import rudax.sharding as rs
 from examples.lm import config as cfg
 from examples.lm import guard, hf_init
-from examples.lm.corpus import CorpusError
-from examples.lm.data import ShardError, TokenLoader
-from examples.lm.prepare import PreparationConflict, open_split, prepare, read_prepared
+from examples.lm.setup import Data, Run, configure, make_mesh, open_data
 from examples.lm.step import make_optimizer, model_spec, optimizer_spec, shard
 from examples.lm.timing import profile
 
@@ -98,133 +93,209 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
     """The run itself, top to bottom; see the module docstring."""
-    # --------------------------------------------------------------------------- config
-    run = _configure(flags, given)  # every check that needs no data, before anything is written
-    flags, run_dir, hf_dir, multi, stop = run.flags, run.run_dir, run.hf_dir, run.multi, run.stop
-
-    # --------------------------------------------------------------------------- mesh
+    run = configure(flags, given)  # every check that needs no data, before anything is written
+    flags = run.flags
     # Before JAX starts its CPU client: each step's scratch is then reused, not faulted in.
     rr.retain_freed_memory()
-    mesh = _mesh(flags.mesh)
+    mesh = make_mesh(flags.mesh)
     # Process 0 writes the run's files, logs and prints; every process reads its own rows of
     # each batch (rows [p * b, (p + 1) * b) of the global batch, b = batch_size / processes).
-    primary, process, processes = jax.process_index() == 0, jax.process_index(), jax.process_count()
+    primary = jax.process_index() == 0
     say = print if primary else lambda *a, **k: None
-
-    # --------------------------------------------------------------------------- data
-    data = _open_data(flags, hf_dir, multi=multi, process=process, processes=processes)
-    train_data, vocab_size, val_batches = data.train, data.vocab_size, data.val_batches
-    put = lambda b: b if mesh is None else rs.put_batch(b, mesh, flags.batch_size)
-    # the train state where the steps keep it: fresh zeros and restored arrays alike
-    place = lambda tree: tree if mesh is None else rs.place(tree, mesh)
-
-    # --------------------------------------------------------------------------- model
-    spec = model_spec(flags, vocab_size)  # the tokenizer's vocabulary
-    config = spec.config
-    model, n_params = _model(spec, hf_dir, mesh, seed=flags.seed, say=say)
-    # rngs: the model's RNG state (empty: no dropout); rest: what is neither (no buffers)
-    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-    params, rngs, rest = place((params, rngs, rest))
+    data = open_data(
+        flags, run.hf_dir, multi=run.multi, process=jax.process_index(),
+        processes=jax.process_count(),
+    )  # fmt: skip
+    spec = model_spec(flags, data.vocab_size)  # the tokenizer's vocabulary
+    model, n_params = _model(spec, run.hf_dir, mesh, seed=flags.seed, say=say)
+    trainer = _Trainer.build(run, spec, model, mesh, data)
     del model
-    if run.init_from is not None:
-        # Before the optimizer state is built from them: its fp32 masters start as copies of
-        # these weights, and the first update writes the masters into the parameters.
-        params = _init_from(run.init_from, params)
-
-    # --------------------------------------------------------------------------- optimizer
-    tx = make_optimizer(flags, mesh)
-    lr_at = jax.jit(optimizer_spec(flags).schedule(flags.lr))  # the lr of update s is lr_at(s - 1)
-    opt_state = place(jax.jit(tx.init)(params))
-    acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32))
-
-    # --------------------------------------------------------------------------- step
-    # --profile times each step repeatedly on the same inputs, which donation would delete.
-    loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
-    steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not flags.profile)
-    microbatch = lambda s, a: put(
-        train_data.batch((s - 1) * flags.grad_accum + a, shard=process, num_shards=processes)
-    )
     if flags.profile:
-        table = profile(
-            steps,
-            (params, rngs, rest),
-            opt_state,
-            acc,
-            [microbatch(1, a) for a in range(flags.grad_accum)],
-            flops_per_token=rm.flops_per_token(config, spec.seq_len),
-            trace_dir=flags.trace,
-        )
-        say(table + (f"\ntrace written to {flags.trace}" if flags.trace else ""))
-        return {"profile": table}
+        return {"profile": _profile(trainer, spec, say)}
 
-    def evaluate() -> float:
-        ce, n = 0.0, 0
-        for b in val_batches:
-            m = steps.evaluate(params, rngs, rest, put(b))
-            ce, n = ce + float(m["ce_sum"]), n + int(m["tokens"])
-        return ce / n
-
-    # --------------------------------------------------------------------------- checkpoint
     if primary:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(flags.as_dict(), indent=1) + "\n")
-    # No RNG key to keep: the model has no dropout and batch i is drawn from (seed, i), so
-    # the update count is the whole data position; the schedule's is in the optimizer state.
-    record = lambda step, tokens: rc.TrainingRecord.capture(
-        model=params,
-        optimizer=opt_state,
-        accumulator=acc,
-        state={"step": step, "tokens": tokens},
-        config=run.run_config,
-    )
-    step, tokens = 0, 0
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "config.json").write_text(json.dumps(flags.as_dict(), indent=1) + "\n")
     if flags.resume:
-        restored = _resume(run_dir, record(0, 0), flags.resume_step, keep=flags.keep, say=say)
-        params, opt_state, acc = restored.model, restored.optimizer, restored.accumulator
-        step, tokens = restored.state["step"], restored.state["tokens"]
-        say(f"resumed {run_dir} at update {step} of {flags.steps}")
-    checkpointer = rr.open_checkpoints(run_dir, keep=flags.keep)
-    skips = guard.SkipWatch(flags.max_skipped_updates, jax.device_get(guard.num_skipped(opt_state)))
-
-    # --------------------------------------------------------------------------- loop
-    events = run_dir / "tensorboard" if flags.tensorboard and primary else None
+        trainer.restore(run.run_dir, say)
+    checkpointer = rr.open_checkpoints(run.run_dir, keep=flags.keep)
+    events = run.run_dir / "tensorboard" if flags.tensorboard and primary else None
     log = rr.MetricsLog(
-        run_dir / "metrics.jsonl",
-        resume_step=step if flags.resume else None,
+        run.run_dir / "metrics.jsonl",
+        resume_step=trainer.step if flags.resume else None,
         tensorboard=events,
         writer=primary,  # the run's one log, by process 0
     )
-    tokens_per_update = flags.batch_size * flags.seq_len * flags.grad_accum
     where = f" over mesh {rs.mesh_text(flags.mesh)}" if mesh is not None else ""
-    if processes > 1:
-        where += f" of {processes} processes"
+    if jax.process_count() > 1:
+        where += f" of {jax.process_count()} processes"
     say(
-        f"training a {n_params:,}-parameter {config.model_type} model{where} on {data.directory}, "
-        f"updates {step + 1} to {stop} of {flags.steps}, {tokens_per_update:,} tokens each"
+        f"training a {n_params:,}-parameter {spec.config.model_type} model{where} on "
+        f"{data.directory}, updates {trainer.step + 1} to {run.stop} of {flags.steps}, "
+        f"{trainer.tokens_per_update:,} tokens each"
     )
-    if step == 0:
-        log.write(kind="eval", step=0, val_loss=evaluate())
-    bar = tqdm(total=stop, initial=step, unit="update", dynamic_ncols=True, disable=not primary)
+    last, interrupted = _loop(trainer, run, spec.config, checkpointer, log, say)
+    return _report(trainer, run, spec, log, checkpointer, events, last, interrupted, say)
+
+
+# ------------------------------------------------------------------------------- steps
+
+
+@dataclasses.dataclass
+class _Trainer:
+    """The train state where the steps keep it (on the mesh, if any) and the jitted steps:
+    the parameters, the model's RNG state (empty: no dropout) and the rest (no buffers), the
+    optimizer state and the accumulator, at update ``step`` after ``tokens`` tokens."""
+
+    flags: cfg.TrainConfig
+    mesh: Mesh | None
+    data: Data
+    params: Any
+    rngs: Any
+    rest: Any
+    opt_state: Any
+    acc: Any
+    steps: rs.TrainSteps
+    lr_at: Callable[[int], jax.Array]  # the lr of update s is lr_at(s - 1)
+    run_config: dict[str, Any]  # what the checkpoints record
+    step: int = 0
+    tokens: int = 0
+
+    @classmethod
+    def build(
+        cls, run: Run, spec: rm.ModelSpec, model: rm.LlamaForCausalLM, mesh: Mesh | None,
+        data: Data,
+    ) -> _Trainer:  # fmt: skip
+        """The state placed, ``--init-from``'s weights in, the optimizer's state and the
+        steps built (``examples/lm/step.py``)."""
+        flags = run.flags
+        # the train state where the steps keep it: fresh zeros and restored arrays alike
+        place = lambda tree: tree if mesh is None else rs.place(tree, mesh)
+        graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+        params, rngs, rest = place((params, rngs, rest))
+        if run.init_from is not None:
+            # Before the optimizer state is built from them: its fp32 masters start as copies
+            # of these weights, and the first update writes the masters into the parameters.
+            params = _init_from(run.init_from, params)
+        tx = make_optimizer(flags, mesh)
+        lr_at = jax.jit(optimizer_spec(flags).schedule(flags.lr))
+        opt_state = place(jax.jit(tx.init)(params))
+        acc = place(jax.jit(ro.GradientAccumulator.init, static_argnums=1)(params, jnp.float32))
+        # --profile times each step repeatedly on the same inputs, which donation would delete.
+        loss = functools.partial(rm.next_token_loss_sum, chunk=spec.loss_chunk)
+        steps = rs.make_train_steps(graphdef, tx, loss, mesh=mesh, donate=not flags.profile)
+        return cls(
+            flags, mesh, data, params, rngs, rest, opt_state, acc, steps, lr_at, run.run_config
+        )
+
+    @property
+    def tokens_per_update(self) -> int:
+        return self.flags.batch_size * self.flags.seq_len * self.flags.grad_accum
+
+    def put(self, batch: np.ndarray) -> Any:
+        """This process's rows of a batch, placed on the mesh (as they are on one device)."""
+        return batch if self.mesh is None else rs.put_batch(batch, self.mesh, self.flags.batch_size)
+
+    def microbatch(self, step: int, a: int) -> Any:
+        """Microbatch ``a`` of update ``step``: this process's rows, placed."""
+        i = (step - 1) * self.flags.grad_accum + a
+        return self.put(
+            self.data.train.batch(i, shard=jax.process_index(), num_shards=jax.process_count())
+        )
+
+    def evaluate(self) -> float:
+        """The validation loss per token over the fixed validation batches."""
+        ce, n = 0.0, 0
+        for b in self.data.val_batches:
+            m = self.steps.evaluate(self.params, self.rngs, self.rest, self.put(b))
+            ce, n = ce + float(m["ce_sum"]), n + int(m["tokens"])
+        return ce / n
+
+    def record(self, step: int, tokens: int) -> rc.TrainingRecord:
+        """What a checkpoint holds. No RNG key to keep: the model has no dropout and batch i
+        is drawn from (seed, i), so the update count is the whole data position; the
+        schedule's is in the optimizer state."""
+        return rc.TrainingRecord.capture(
+            model=self.params,
+            optimizer=self.opt_state,
+            accumulator=self.acc,
+            state={"step": step, "tokens": tokens},
+            config=self.run_config,
+        )
+
+    def restore(self, run_dir: Path, say: Callable[[str], None]) -> None:
+        """--resume: the state of the run's checkpoint (``--resume-step``'s, or the latest)."""
+        flags = self.flags
+        restored = _resume(run_dir, self.record(0, 0), flags.resume_step, keep=flags.keep, say=say)
+        self.params, self.opt_state = restored.model, restored.optimizer
+        self.acc = restored.accumulator
+        self.step, self.tokens = restored.state["step"], restored.state["tokens"]
+        say(f"resumed {run_dir} at update {self.step} of {flags.steps}")
+
+    def update(self) -> tuple[list[dict[str, Any]], float, Any]:
+        """Update ``step + 1``: ``(its microbatches' metrics, the gradient norm, the
+        optimizer's count of skipped updates)``, fetched in one transfer, which waits for the
+        update (so the bar counts finished updates)."""
+        self.step += 1
+        window = []
+        for a in range(self.flags.grad_accum):
+            self.acc, self.rngs, m = self.steps.micro(
+                self.params, self.rngs, self.acc, self.rest, self.microbatch(self.step, a)
+            )
+            window.append(m)
+        self.params, self.opt_state, self.acc, norm = self.steps.apply(
+            self.params, self.opt_state, self.acc
+        )
+        self.tokens += self.tokens_per_update
+        return jax.device_get((window, norm, guard.num_skipped(self.opt_state)))
+
+
+def _profile(trainer: _Trainer, spec: rm.ModelSpec, say: Callable[[str], None]) -> str:
+    """--profile: each step timed on update 1's microbatches; the table printed."""
+    flags = trainer.flags
+    table = profile(
+        trainer.steps,
+        (trainer.params, trainer.rngs, trainer.rest),
+        trainer.opt_state,
+        trainer.acc,
+        [trainer.microbatch(1, a) for a in range(flags.grad_accum)],
+        flops_per_token=rm.flops_per_token(spec.config, spec.seq_len),
+        trace_dir=flags.trace,
+    )
+    say(table + (f"\ntrace written to {flags.trace}" if flags.trace else ""))
+    return table
+
+
+def _loop(
+    trainer: _Trainer,
+    run: Run,
+    config: rm.LlamaConfig,
+    checkpointer: rc.Checkpointer,
+    log: rr.MetricsLog,
+    say: Callable[..., None],
+) -> tuple[dict[str, float | None], str | None]:
+    """The updates up to ``run.stop``, logged, evaluated and checkpointed as the flags say:
+    ``(the last loss, validation loss and tokens/s, the interrupting signal's name)``.
+
+    Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the run
+    ends as --stop-at ends it (every process after the same update)."""
+    flags, stop, primary = trainer.flags, run.stop, jax.process_index() == 0
+    skips = guard.SkipWatch(
+        flags.max_skipped_updates, jax.device_get(guard.num_skipped(trainer.opt_state))
+    )
+    if trainer.step == 0:
+        log.write(kind="eval", step=0, val_loss=trainer.evaluate())
+    bar = tqdm(
+        total=stop, initial=trainer.step, unit="update", dynamic_ncols=True, disable=not primary
+    )
     note = bar.write if primary else say  # a line above the bar
     last: dict[str, float | None] = {"loss": None, "val_loss": None, "tokens_per_s": None}
-    clock, clock_tokens = None, tokens
-    # Ctrl-C or a preemption's SIGTERM: the update in flight finishes, is saved, and the run
-    # ends as --stop-at ends it (every process after the same update).
+    clock, clock_tokens = None, trainer.tokens
     with rr.Interruptions() as interrupt:
         try:
-            while step < stop:
-                step += 1
-                window = []
-                for a in range(flags.grad_accum):
-                    acc, rngs, m = steps.micro(params, rngs, acc, rest, microbatch(step, a))
-                    window.append(m)
-                params, opt_state, acc, norm = steps.apply(params, opt_state, acc)
-                tokens += tokens_per_update
-                # One transfer per update, which waits for it (so the bar counts finished
-                # updates): the loss, the gradient norm and the optimizer's skip count together.
-                window, norm, skipped_so_far = jax.device_get(
-                    (window, norm, guard.num_skipped(opt_state))
-                )
+            while trainer.step < stop:
+                window, norm, skipped_so_far = trainer.update()
+                step, tokens = trainer.step, trainer.tokens
                 loss = sum(float(m["ce_sum"]) for m in window) / sum(
                     int(m["tokens"]) for m in window
                 )
@@ -234,13 +305,11 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
                         f"update {step}: skipped by the optimizer (its gradients were not finite); "
                         f"{skipped_so_far} skipped so far"
                     )
-                if (
-                    clock is None
-                ):  # the session's first update compiled the steps: time from its end
+                if clock is None:  # the first update compiled the steps: time from its end
                     clock, clock_tokens = time.perf_counter(), tokens
                 elapsed = time.perf_counter() - clock
                 rate = (tokens - clock_tokens) / elapsed if tokens > clock_tokens else None
-                lr = float(lr_at(step - 1))
+                lr = float(trainer.lr_at(step - 1))
                 last.update(loss=loss, tokens_per_s=rate or last["tokens_per_s"])
                 bar.set_postfix(
                     loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=_show(rate, ",.0f"), refresh=False
@@ -262,7 +331,7 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
                     )
                 paused = False
                 if step % flags.eval_every == 0 or step == flags.steps:
-                    last["val_loss"] = evaluate()
+                    last["val_loss"] = trainer.evaluate()
                     log.write(kind="eval", step=step, val_loss=last["val_loss"])
                     note(
                         f"update {step}: train loss {loss:.4f}, val loss {last['val_loss']:.4f}, "
@@ -272,8 +341,8 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
                 halt = interrupt.stop_after(step)  # every update, on every process
                 if step % flags.checkpoint_every == 0 or step == stop or halt:
                     # Never a checkpoint of NaN weights: it would push an intact one out of --keep.
-                    rr.check_finite(params, step=step, latest=checkpointer.latest_step)
-                    checkpointer.save(step, record(step, tokens))
+                    rr.check_finite(trainer.params, step=step, latest=checkpointer.latest_step)
+                    checkpointer.save(step, trainer.record(step, tokens))
                     paused = True
                 if paused:  # evaluation and checkpoint time are not training throughput
                     clock, clock_tokens = time.perf_counter(), tokens
@@ -285,8 +354,24 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         finally:
             bar.close()
             checkpointer.close()
+    return last, interrupt.signal_name
 
-    # --------------------------------------------------------------------------- report
+
+def _report(
+    trainer: _Trainer,
+    run: Run,
+    spec: rm.ModelSpec,
+    log: rr.MetricsLog,
+    checkpointer: rc.Checkpointer,
+    events: Path | None,
+    last: dict[str, float | None],
+    interrupted: str | None,
+    say: Callable[..., None],
+) -> dict[str, Any]:
+    """The end of a session: the end row and the loss plot of a complete run, the resume
+    line of a stopped one, and the summary ``main`` returns."""
+    flags, step, tokens, run_dir = trainer.flags, trainer.step, trainer.tokens, run.run_dir
+    config, steps, primary = spec.config, trainer.steps, jax.process_index() == 0
     if step == flags.steps:
         log.write(
             kind="end",
@@ -303,7 +388,7 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         title += f"{config.model_type}, {flags.optimizer}"
         rr.plot_losses(rr.read_metrics(log.path), plot, title=title)
     if step < flags.steps:
-        why = "--stop-at" if interrupt.signal_name is None else interrupt.signal_name
+        why = "--stop-at" if interrupted is None else interrupted
         say(
             f"stopped at update {step} of {flags.steps} ({why}); continue with: "
             f"python -m examples.lm.train --resume --run-dir {run_dir}"
@@ -324,7 +409,7 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
         "plot": str(plot),
         "tensorboard": None if events is None else str(events),
         "step": step,
-        "interrupted": interrupt.signal_name,
+        "interrupted": interrupted,
         **last,
         "compilations": compilations,
     }
@@ -333,238 +418,8 @@ def train(flags: cfg.TrainConfig, given: set[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- helpers
 
 
-class _Run(NamedTuple):
-    """What the configuration step decided: the flags (a resumed run's, or an HF
-    directory's shape), where the run lives and what it starts from."""
-
-    flags: cfg.TrainConfig
-    run_dir: Path
-    hf_dir: Path | None  # --init-from a Hugging Face directory
-    init_from: Path | None  # --init-from a run's checkpoints
-    run_config: dict[str, Any]  # what the checkpoints record
-    stop: int  # the last update of this session
-    multi: bool  # several processes
-
-
-def _configure(flags: cfg.TrainConfig, given: set[str]) -> _Run:
-    """The processes joined, the flags checked (a resumed run's with this session's on top),
-    and every check that needs no data done: a bad flag is refused before anything is
-    written or the corpus prepared."""
-    # First, before anything starts a JAX backend (reading checkpoints does).
-    try:
-        multi = rr.initialize_from_flags(flags)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-
-    cfg.check_session(flags)
-    if multi and not (flags.run_dir or flags.name):
-        # the default name is the time, which each process reads for itself
-        raise UsageError("several processes write one run: give it a --name or --run-dir")
-    run_dir = _run_dir(flags)
-    _check_run_dir(flags, run_dir)  # now, not after the data is prepared
-    if flags.resume:
-        flags = _run_flags(flags, given, run_dir)  # the run's flags, this session's on top
-    elif (run_dir / "checkpoints").exists():
-        raise UsageError(
-            f"{run_dir} already holds a run: continue it with --resume, or pick "
-            "another --name/--run-dir"
-        )
-    # An HF directory decides the model's shape: before the flags are checked and recorded.
-    hf_dir = Path(flags.init_from) if flags.init_from else None
-    if hf_dir is not None and hf_init.is_hf_dir(hf_dir):
-        flags = hf_init.take_architecture(flags, given, hf_dir)
-    else:
-        hf_dir = None
-    cfg.check(flags)
-    if flags.deterministic:
-        _deterministic_xla()
-    if flags.tensorboard:
-        _check_tensorboard()  # now, not when the first metrics row is written
-    run_config = cfg.run_config(flags)
-    stop = flags.stop_at or flags.steps
-    if flags.resume:
-        saved = _committed_steps(run_dir / "checkpoints", "--resume")
-        if flags.resume_step is not None and flags.resume_step not in saved:
-            raise UsageError(
-                f"--resume-step {flags.resume_step}: no checkpoint {flags.resume_step} in "
-                f"{run_dir / 'checkpoints'}; saved: {saved}"
-            )
-        start = saved[-1] if flags.resume_step is None else flags.resume_step
-        if start >= stop:
-            raise UsageError(
-                f"--resume: the run is at update {start} already; nothing to do up to update {stop}"
-            )
-    init_from = _checkpoint_root(flags.init_from) if flags.init_from and not hf_dir else None
-    try:
-        model_spec(flags)  # a shape error now, not after the corpus is prepared
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"model: {e}") from e
-
-    if multi and not flags.mesh:
-        raise UsageError(
-            "several processes train one model over a mesh of all their devices: give --mesh "
-            "(e.g. data=2,fsdp=4 for 2 processes of 4 devices)"
-        )
-    if multi:  # every process has checked the run directory before any writes to it
-        multihost_utils.sync_global_devices("examples.lm.train: checked")
-    return _Run(flags, run_dir, hf_dir, init_from, run_config, stop, multi)
-
-
-class _Data(NamedTuple):
-    directory: Path
-    vocab_size: int  # the tokenizer's
-    train: TokenLoader  # batch i is a pure function of (seed, i)
-    val_batches: list[np.ndarray]  # this process's rows of the fixed validation batches
-
-
-def _open_data(
-    flags: cfg.TrainConfig, hf_dir: Path | None, *, multi: bool, process: int, processes: int
-) -> _Data:
-    """The corpus prepared (once: tokenized into checked shards), its training split opened
-    and this process's rows of the validation batches read; a preparation with other
-    settings, a damaged shard or a bad corpus is a UsageError saying how to rebuild it."""
-    primary = process == 0
-    data_dir = Path(flags.data_dir or _default_data_dir(flags.data))
-    # The trainer has no --force: rebuilding a data folder that other runs read is
-    # examples.lm.prepare's job, named here with the flags that do it.
-    rebuild = shlex.join(
-        ["python", "-m", "examples.lm.prepare"]
-        + (["--data", flags.data] if flags.data else [])
-        + ["--out", str(data_dir), "--vocab-size", str(flags.vocab_size), "--force"]
-    )
-    try:
-        if multi:  # one process prepares, the others then find the preparation complete
-            if primary:
-                prepare(flags.data, data_dir, vocab_size=flags.vocab_size)
-            multihost_utils.sync_global_devices("examples.lm.train: data prepared")
-        prepare(flags.data, data_dir, vocab_size=flags.vocab_size, verbose=primary)
-        vocab_size = read_prepared(data_dir)["vocab_size"]
-        # Batch i is a pure function of (seed, i): resuming at update s needs nothing but s.
-        # Each shard's checksum and largest id are checked here, once, not per batch.
-        loader = lambda split: open_split(
-            data_dir, split, seq_len=flags.seq_len, batch_size=flags.batch_size, seed=flags.seed
-        )
-        train_data = loader("train")
-        val_batches = loader("val").eval_batches(
-            flags.eval_batches, shard=process, num_shards=processes
-        )
-        if hf_dir is not None:
-            hf_init.check_tokenizer(hf_dir, data_dir)
-    except PreparationConflict as e:
-        raise UsageError(
-            f"data: --data-dir {data_dir} holds a preparation with other settings "
-            f"({e.detail}): choose another --data-dir, or rebuild it with: {rebuild} "
-            "(a run trained on the old preparation would then resume on other tokens)"
-        ) from e
-    except ShardError as e:
-        raise UsageError(f"data: {e}; prepare it again with: {rebuild}") from e
-    except (CorpusError, ValueError) as e:
-        raise UsageError(f"data: {e}") from e
-    return _Data(data_dir, vocab_size, train_data, val_batches)
-
-
 def _show(x: float | None, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
-
-
-def _check_tensorboard() -> None:
-    """--tensorboard: UsageError if tensorboardX does not import, before any work is done."""
-    try:
-        import tensorboardX  # noqa: F401  (only with the flag: it imports torch, if installed)
-    except ImportError as e:
-        raise UsageError(
-            f"--tensorboard writes its event files with tensorboardX, which does not import "
-            f"here ({e}): pip install tensorboardX (it is in rudax's examples extra), or "
-            "drop --tensorboard"
-        ) from e
-
-
-def _run_dir(flags: cfg.TrainConfig) -> Path:
-    if flags.run_dir:
-        return Path(flags.run_dir)
-    return Path(flags.runs_dir) / (flags.name or time.strftime("%Y%m%d-%H%M%S"))
-
-
-def _check_run_dir(flags: cfg.TrainConfig, run_dir: Path) -> None:
-    """UsageError if the run directory, or a folder it would be made in, is a file."""
-    for path in (run_dir, *run_dir.parents):
-        if path.is_dir():
-            return
-        if path.exists():
-            flag = "--run-dir" if flags.run_dir else ("--name" if path == run_dir else "--runs-dir")
-            given = {"--run-dir": flags.run_dir, "--name": flags.name, "--runs-dir": flags.runs_dir}
-            raise UsageError(
-                f"{flag} {given[flag]}: {path} is a file, not a directory; give another "
-                f"{flag} or move the file"
-            )
-
-
-def _run_flags(flags: cfg.TrainConfig, given: set[str], run_dir: Path) -> cfg.TrainConfig:
-    """--resume: the run flags come from the run; any given again must agree."""
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--resume: {run_dir} holds no run (no config.json)") from None
-    if saved.get("model") != cfg.MODEL:
-        raise UsageError(
-            f"--resume: {run_dir} was trained by an earlier examples.lm.train, whose GPT "
-            "checkpoints this one (a rudax.models.LlamaForCausalLM) does not read: start a "
-            "new run, or resume it with the rudax version that wrote it"
-        )
-    conflicts = [
-        f"--{key.replace('_', '-')} {getattr(flags, key)!r} (the run has {saved[key]!r})"
-        for key in cfg.RUN_KEYS
-        if key in given and getattr(flags, key) != saved[key]
-    ]
-    if conflicts:
-        raise UsageError("--resume: flags differ from the run's: " + "; ".join(conflicts))
-    return dataclasses.replace(flags, **{key: saved[key] for key in cfg.RUN_KEYS})
-
-
-def _deterministic_xla() -> None:
-    """--deterministic: XLA's deterministic GPU ops, set before JAX starts a backend.
-
-    In a process that started JAX already (a test calling ``main``) that is too late; there
-    it is an error on a GPU, where the flags matter, and nothing on the CPU, whose XLA
-    sums scatters in order anyway.
-    """
-    try:
-        rk.enable_deterministic_gpu()
-    except RuntimeError as e:
-        flags = os.environ.get("XLA_FLAGS", "").split()
-        if jax.default_backend() == "gpu" and not set(rk.DETERMINISTIC_XLA_FLAGS) <= set(flags):
-            raise UsageError(f"--deterministic: {e}") from None
-
-
-def _default_data_dir(data: str | None) -> str:
-    # One folder per source, so a run on another corpus never meets the stdlib's tokens.
-    return "data/lm" if data is None else f"data/lm-{Path(data).stem}"
-
-
-def _mesh(spec: dict[str, int] | None) -> Mesh | None:
-    """The mesh of ``--mesh`` (``rudax.sharding.make_mesh``: every process's devices, in
-    process order, so process ``p``'s devices take rows ``[p * b, (p + 1) * b)`` of each
-    batch, the rows it reads); None without one."""
-    if not spec:
-        return None
-    try:
-        return rs.make_mesh(spec)
-    except ValueError as e:
-        raise UsageError(f"--mesh {e}") from None
-
-
-def _committed_steps(directory: Path, flag: str) -> list[int]:
-    """The committed checkpoint steps in directory, oldest first; UsageError if none."""
-    if not directory.is_dir():
-        raise UsageError(f"{flag}: no checkpoint directory {directory}")
-    checkpointer = rc.Checkpointer(directory, read_only=True)  # beside a writer if need be
-    try:
-        steps = checkpointer.all_steps()
-    finally:
-        checkpointer.close()
-    if not steps:
-        raise UsageError(f"{flag}: no checkpoint in {directory}")
-    return steps
 
 
 def _resume(
@@ -604,14 +459,6 @@ def _resume(
             (directory / str(s)).rename(target)
         say(f"--resume-step {chosen}: moved the later checkpoints {later} into {aside}")
     return restored
-
-
-def _checkpoint_root(source: str) -> Path:
-    """--init-from DIR: DIR's checkpoints/ if DIR is a run directory, else DIR itself."""
-    root = Path(source)
-    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-    _committed_steps(root, "--init-from")
-    return root
 
 
 def _model(
