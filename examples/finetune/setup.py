@@ -21,6 +21,7 @@ import rudax.sharding as rs
 from examples.finetune import instructions
 from examples.finetune.config import DEFAULT_BASE, DEFAULT_BASE_RUN, DEFAULT_DATA, FinetuneConfig
 from examples.policy.session import check_flags as check_shared_flags
+from examples.policy.session import join_processes
 from rudax.run import UsageError
 
 
@@ -42,15 +43,7 @@ class Run(NamedTuple):
 def configure(config: FinetuneConfig, given: set[str] | None) -> Run:
     """The processes joined and every flag checked against the disk (the run directory, the
     base, the data's paths) and the devices: a refusal comes before anything is written."""
-    # First, before anything starts a JAX backend.
-    try:
-        multi = rr.initialize_from_flags(config)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    if multi and not (config.run_dir or config.name):
-        # the default name is the time, which each process reads for itself
-        raise UsageError("several processes write one run: give it a --name or --run-dir")
-
+    multi = join_processes(config)  # first, before anything starts a JAX backend
     run_dir = _run_dir(config)
     if config.resume:
         config = _run_flags(config, run_dir, given)  # the run's flags, this session's on top

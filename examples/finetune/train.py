@@ -85,6 +85,7 @@ from examples.finetune.data import FinetuneData
 from examples.finetune.setup import Run, adapter_dir, configure
 from examples.finetune.template import DataError
 from examples.policy.held import Held
+from examples.policy.session import adapter_record
 from rudax.run import UsageError
 
 
@@ -281,13 +282,7 @@ class _Tuner:
 
     def record(self, step: int) -> rc.TrainingRecord:
         """What a checkpoint of update ``step`` holds."""
-        return rc.TrainingRecord.capture(
-            model={"adapters": self.adapters, "rngs": self.rngs},
-            optimizer=self.opt_state,
-            accumulator=self.acc,
-            state={"step": step},
-            config=self.record_config,
-        )
+        return adapter_record(self, step)
 
     def update(self, data: FinetuneData) -> tuple[float, int, int, float]:
         """Update ``step + 1`` over ``--grad-accum`` microbatches of ``data``: ``(loss,

@@ -73,12 +73,7 @@ class Session:
         flags with this session's on top), checks the flags, builds the mesh and reads the
         base's tokenizer and config. Raises ``UsageError`` for anything the user must fix."""
         program = config.PROGRAM
-        try:
-            multi = rr.initialize_from_flags(config)
-        except ValueError as e:
-            raise UsageError(str(e)) from e
-        if multi and not (config.run_dir or config.name):
-            raise UsageError("several processes write one run: give it a --name or --run-dir")
+        multi = join_processes(config)
         run_dir = (
             Path(config.run_dir)
             if config.run_dir
@@ -243,13 +238,7 @@ class Session:
         return self
 
     def _record(self, step: int) -> rc.TrainingRecord:
-        return rc.TrainingRecord.capture(
-            model={"adapters": self.adapters, "rngs": self.rngs},
-            optimizer=self.opt_state,
-            accumulator=self.acc,
-            state={"step": step},
-            config=self.record_config,
-        )
+        return adapter_record(self, step)
 
     # ----------------------------------------------------------------------------- steps
 
@@ -362,6 +351,32 @@ class Session:
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+def join_processes(config: PolicyConfig) -> bool:
+    """Joins the other processes of a run launched on several (``--coordinator`` ...), first,
+    before anything starts a JAX backend; whether there are several. Several processes write
+    one run directory, which they must be told: the default name is the time, which each
+    process reads for itself."""
+    try:
+        multi = rr.initialize_from_flags(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if multi and not (config.run_dir or config.name):
+        raise UsageError("several processes write one run: give it a --name or --run-dir")
+    return multi
+
+
+def adapter_record(state: Any, step: int) -> rc.TrainingRecord:
+    """What an adapter run's checkpoint of update ``step`` holds: ``state``'s adapters and
+    dropout RNG, optimizer state and accumulator, and its ``record_config``."""
+    return rc.TrainingRecord.capture(
+        model={"adapters": state.adapters, "rngs": state.rngs},
+        optimizer=state.opt_state,
+        accumulator=state.acc,
+        state={"step": step},
+        config=state.record_config,
+    )
 
 
 def check_flags(config: PolicyConfig, required: Sequence[str] = ("base", "data")) -> None:
