@@ -5,8 +5,13 @@ algorithm in ``lax`` loops elsewhere, both with an ordered (atomic-free) backwar
 ``decode_attention`` is a decoding step's attention: one query per row over a KV cache (and a
 block shared by a prompt's samples), two batched matmuls over the cache as stored.
 
-Every Pallas op takes ``impl="auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or
-``"xla"``, and an ``interpret`` flag that runs its Pallas kernel on any backend (for tests).
+Every Pallas op takes ``impl="auto"``, ``"pallas"`` or ``"xla"``, and an ``interpret`` flag
+that runs its Pallas kernel on any backend (for tests). ``"auto"`` is the XLA path off a GPU;
+on a GPU it is the Pallas kernel only where that was measured faster than the XLA path
+(``docs/gpu_results.md``, on an H200): ``rms_norm`` and ``layer_norm`` (1.3x and 2.0x), and
+``flash_attention`` (measured against cuDNN); ``silu_mul``, ``adamw_update``,
+``global_norm_and_finite`` (``fused_adamw``) and ``nf4_matmul`` run their XLA path, which
+was faster there (1.16x, 1.65x and 3.4x).
 ``linear_cross_entropy`` is XLA only: its fusion is the chunking, which saves memory, not a
 kernel. Each op's ``*_reference`` is the pure-jnp definition it is tested against.
 """

@@ -235,7 +235,7 @@ def prepare_step(
     check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
     skip = check_skip(skip)
     check_block(block, AdamWBlock)
-    resolved = _compat.resolve_impl(impl, interpret=interpret)
+    resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="adamw_update")
     scalars = step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale, skip)
     static = dict(
         impl=resolved,
@@ -300,7 +300,8 @@ def adamw_update(
       weight_decay: decoupled decay, multiplied by the learning rate, >= 0; a number equal
         to 0 drops the term.
       grad_scale: multiplies the gradient first, e.g. a global-norm clipping coefficient.
-      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``
+      impl: ``"auto"`` (the XLA path: on an H200 it ran 1.65x the Pallas kernel's speed),
+        ``"pallas"`` or ``"xla"``
         (``adamw_update_reference``).
       interpret: run the Pallas kernel in interpret mode, on any backend (for tests).
       block: the kernels' ``AdamWBlock``; None for the default.

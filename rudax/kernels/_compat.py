@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.typing import ArrayLike
 
 from rudax._validation import check_bool, check_impl
+from rudax.kernels._auto import auto_takes_pallas
 
 _triton: ModuleType | None
 with warnings.catch_warnings():
@@ -122,14 +123,15 @@ def gpu_lowering_available() -> bool:
 Path = Literal["auto", "pallas", "interpret", "xla"]
 
 
-def resolve_impl(impl: str, *, interpret: bool = False) -> Path:
+def resolve_impl(impl: str, *, interpret: bool = False, kernel: str | None = None) -> Path:
     """Turns a kernel's ``impl`` argument into the path its jitted body takes.
 
     Nothing here asks which backend is the default: the choice between Pallas and XLA is
     made where the computation is lowered, per platform (``rudax.kernels._platform``).
 
     * ``"auto"``: Pallas where lowered for a GPU, XLA elsewhere; ``"xla"`` when this JAX has
-      no GPU lowering for Pallas.
+      no GPU lowering for Pallas, or when ``kernel``'s Pallas path was measured slower than
+      its XLA path on a GPU (``rudax.kernels._auto.MEASURED``).
     * ``"pallas"``: Pallas for a GPU; lowering for any other platform raises.
     * ``"interpret"`` (``impl="pallas", interpret=True``): Pallas in interpret mode, anywhere.
     * ``"xla"``: the pure-jnp path.
@@ -137,6 +139,7 @@ def resolve_impl(impl: str, *, interpret: bool = False) -> Path:
     Args:
       impl: ``"auto"``, ``"pallas"`` or ``"xla"``.
       interpret: whether Pallas, where it runs, runs in interpret mode.
+      kernel: the kernel's name in the measured table, for ``"auto"``.
 
     Returns:
       The path. A ValueError for any other ``impl``, or for ``"pallas"`` without
@@ -153,7 +156,8 @@ def resolve_impl(impl: str, *, interpret: bool = False) -> Path:
     if impl == "xla":
         return "xla"
     if impl == "auto":
-        return "auto" if gpu_lowering_available() else "xla"
+        pallas = gpu_lowering_available() and (kernel is None or auto_takes_pallas(kernel))
+        return "auto" if pallas else "xla"
     if interpret:
         return "interpret"
     if not gpu_lowering_available():

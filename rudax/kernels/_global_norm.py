@@ -166,7 +166,8 @@ def global_norm_and_finite(
         at most ``block.max_partials`` chunks whose partial sums (a Pallas kernel on the
         Pallas path) are then reduced together in one small reduction. Otherwise each leaf
         is reduced to one scalar pair by XLA and those are summed (on both paths).
-      impl: ``"auto"`` (Pallas on a GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+      impl: ``"auto"`` (the XLA path: ``fused_adamw``'s Pallas kernels, this one with the
+        update's, ran at 0.61x its XLA path on an H200), ``"pallas"`` or ``"xla"``.
       interpret: run the Pallas kernel in interpret mode, on any backend (for tests).
       block: the kernel's ``GlobalNormBlock``; None for the default.
 
@@ -189,7 +190,7 @@ def global_norm_and_finite(
     if block is None:
         block = GlobalNormBlock()
     leaves = _floating_leaves(grads)
-    resolved = _compat.resolve_impl(impl, interpret=interpret)
+    resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="global_norm")
     return _global_norm_and_finite(
         leaves, hierarchical=hierarchical, impl=resolved, interpret=interpret, block=block
     )

@@ -197,7 +197,9 @@ def layer_norm(
       Ba, Kiros and Hinton, "Layer Normalization", arXiv:1607.06450, 2016.
     """
     vectors = {"scale": scale} if bias is None else {"scale": scale, "bias": bias}
-    epsilon, path, block = _rowwise.check_arguments(x, vectors, epsilon, impl, interpret, block)
+    epsilon, path, block = _rowwise.check_arguments(
+        x, vectors, epsilon, impl, interpret, block, kernel="layer_norm"
+    )
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     return _layer_norm_jit(x, scale, bias, _Static(epsilon, path, interpret, block, bias_dtype))
 

@@ -189,14 +189,11 @@ def _check_arguments(x: Any, q: Any, dtype: Any) -> jnp.dtype:
 
 def _choose_path(impl: str, interpret: bool, x: Any, q: NF4Tensor, c: jnp.dtype) -> str:
     """resolve_impl, then XLA for what the kernel does not take (an error if forced)."""
-    path = _compat.resolve_impl(impl, interpret=interpret)  # checks impl and interpret
-    if impl == "auto":
-        # Measured on an H200 (jax 0.11.2, benchmarks/kernels.py, x (4096, 4096) bf16 and W
-        # (4096, 4096), forward and dx): the XLA path 0.50 ms, these kernels 1.67 ms. XLA
-        # dequantizes W once per call into a bf16 copy and runs cuBLAS; the kernels
-        # dequantize each tile once per tile of rows, which costs more than the copy saves.
-        # Until they are tuned to win, "auto" is the XLA path on every platform.
-        return "xla"
+    # "auto": the XLA path, measured faster on an H200 (rudax.kernels._auto: 0.50 ms against
+    # these kernels' 1.67 ms, x (4096, 4096) bf16 and W (4096, 4096), forward and dx). XLA
+    # dequantizes W once per call into a bf16 copy and runs cuBLAS; the kernels dequantize
+    # each tile once per tile of rows, which costs more than the copy saves.
+    path = _compat.resolve_impl(impl, interpret=interpret, kernel="nf4_matmul")
     if path == "xla":
         return path
     n, k = q.shape

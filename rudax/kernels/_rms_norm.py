@@ -172,7 +172,7 @@ def rms_norm(
       Zhang and Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.
     """
     epsilon, path, block = _rowwise.check_arguments(
-        x, {"scale": scale}, epsilon, impl, interpret, block
+        x, {"scale": scale}, epsilon, impl, interpret, block, kernel="rms_norm"
     )
     return _rms_norm_jit(x, scale, _Static(epsilon, path, interpret, block))
 

@@ -91,9 +91,9 @@ def _check_vector(name: str, v: Any, x: Any) -> None:
         )
 
 
-def _choose_path(impl: str, interpret: bool, x: jax.Array) -> str:
+def _choose_path(impl: str, interpret: bool, x: jax.Array, kernel: str) -> str:
     """resolve_impl, then XLA for rows too wide for one block (or an error if forced)."""
-    path = _compat.resolve_impl(impl, interpret=interpret)
+    path = _compat.resolve_impl(impl, interpret=interpret, kernel=kernel)
     if path != "xla" and x.shape[-1] > MAX_FEATURES:
         if impl == "auto":
             return "xla"
@@ -113,17 +113,20 @@ def check_arguments(
     impl: str,
     interpret: bool,
     block: RowBlock | None,
+    *,
+    kernel: str,
 ) -> tuple[float, str, RowBlock]:
     """A norm's argument checks; returns (epsilon as a float, the path, the block to use).
 
-    ``vectors`` maps the name of each per-feature parameter given to it.
+    ``vectors`` maps the name of each per-feature parameter given to it; ``kernel`` is the
+    norm's name in the measured table (``rudax.kernels._auto``).
     """
     _check_input(x)
     for name, v in vectors.items():
         _check_vector(name, v, x)
     epsilon = check_positive("epsilon", epsilon, accept="static")
     check_block(block, RowBlock)
-    path = _choose_path(impl, interpret, x)
+    path = _choose_path(impl, interpret, x, kernel)
     if block is None:
         block = _default_block(x.size // x.shape[-1], x.shape[-1])
     return epsilon, path, block

@@ -28,9 +28,9 @@ class GatedMLP(nnx.Module):
         y = h @ W_down
 
     With ``jax.nn.silu`` (``jax.nn.swish`` is the same function) the product runs through
-    ``rudax.kernels.silu_mul``: fused Pallas on the GPU, an exact XLA path elsewhere, and a
-    backward that saves ``gate`` and ``up`` only. Other activations are plain jnp and ignore
-    ``impl``. Without biases by default, as in LLaMA.
+    ``rudax.kernels.silu_mul``: by default its exact XLA path (faster on an H200 than its
+    Pallas kernel), and a backward that saves ``gate`` and ``up`` only. Other activations
+    are plain jnp and ignore ``impl``. Without biases by default, as in LLaMA.
 
     Args:
       features: size of the input and output last axis, > 0.

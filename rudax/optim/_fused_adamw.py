@@ -150,8 +150,8 @@ def fused_adamw(
         computed in fp32; ``rudax.optim.adamw`` would compute in bf16 for bf16 gradients).
       hierarchical_stats: compute the global norm and finite check as a two-level reduction
         with a bounded partial buffer (see ``rudax.kernels.global_norm_and_finite``).
-      impl: ``"auto"`` (the Pallas kernels on a GPU, XLA elsewhere), ``"pallas"`` or
-        ``"xla"``.
+      impl: ``"auto"`` (the XLA path: on an H200 the Pallas kernels ran at 0.61x its speed,
+        ``docs/gpu_results.md``), ``"pallas"`` or ``"xla"``.
       interpret: run the Pallas kernels in interpret mode, on any backend (for tests).
       mask: which parameters decay, as in ``optax.add_decayed_weights``: a pytree of bools
         like the parameters (or a prefix of it), or a callable of the parameters returning

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import rudax.kernels as rk
-from rudax.kernels import _platform
+from rudax.kernels import _auto, _platform
 from tests.kernels._lowering import export, gpu_calls
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -78,9 +78,10 @@ CASES = [
     ("nf4_matmul", _nf4, _arrays(((3, 128), bf16)), (0,)),
 ]
 IDS = [c[0] for c in CASES]
-# The ops whose impl="auto" takes Pallas on a GPU: nf4_matmul's is the XLA path on every
-# platform (faster on an H200; tests/kernels/test_nf4_matmul.py checks it).
-AUTO_PALLAS = [c for c in CASES if c[0] != "nf4_matmul"]
+# The ops whose impl="auto" takes Pallas on a GPU: those measured faster than their XLA path
+# (rudax.kernels._auto; tests/kernels/test_auto.py). The others run XLA on every platform.
+AUTO_PALLAS = [c for c in CASES if _auto.auto_takes_pallas(c[0])]
+AUTO_XLA = [c for c in CASES if not _auto.auto_takes_pallas(c[0])]
 
 
 def _fn(case):
@@ -109,6 +110,17 @@ def test_one_export_holds_pallas_for_cuda_and_xla_for_the_cpu(case):
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
     # And so does the op called as usual on this host.
+    for g, e in zip(jax.tree.leaves(jax.jit(fn)(*args)), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+@pytest.mark.parametrize("case", AUTO_XLA, ids=[c[0] for c in AUTO_XLA])
+def test_auto_exports_the_xla_path_where_pallas_was_measured_slower(case):
+    _, factory, args, argnums = case
+    fn = _fn(case)
+    assert gpu_calls(export(fn, *args, platforms=["cuda"]).mlir_module()) == 0
+    xla = factory("xla")
+    expected = jax.jit(xla if argnums is None else _with_grad(xla, argnums))(*args)
     for g, e in zip(jax.tree.leaves(jax.jit(fn)(*args)), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
 
