@@ -138,6 +138,9 @@ def finetune(config: FinetuneConfig, given: set[str] | None = None) -> dict[str,
     )
     tuner.say(_start_line(run, tuner, held, trained, train_data))
     last, interrupted = _loop(tuner, run, train_data, checkpointer, log)
+    if tuner.primary:  # the loss curve of every session, stopped or complete
+        title = f"{run.run_dir.name}: LoRA r={config.rank} on {run.base_dir}"
+        rr.plot_losses(rr.read_metrics(log.path), run.run_dir / "loss.png", title=title)
 
     result: dict[str, Any] = {
         "run_dir": str(run.run_dir),
@@ -420,9 +423,6 @@ def _loop(
             bar.close()
             checkpointer.close()
     log.close()
-    if tuner.primary:
-        title = f"{run.run_dir.name}: LoRA r={config.rank} on {run.base_dir}"
-        rr.plot_losses(rr.read_metrics(log.path), run.run_dir / "loss.png", title=title)
     return last, interrupt.signal_name
 
 

@@ -41,6 +41,15 @@ def test_auto_takes_the_arm_measured_faster_on_a_gpu(kernel, monkeypatch):
     assert path == ("auto" if m.pallas > m.xla else "xla"), (kernel, m)
 
 
+def test_every_kernel_name_the_kernels_pass_is_a_row_of_the_table():
+    """A name the table does not hold reads as "decides itself" (Pallas on a GPU): a typo in
+    a kernel's ``kernel=`` would silently undo its row."""
+    names = set()
+    for path in (ROOT / "rudax" / "kernels").glob("*.py"):
+        names |= set(re.findall(r'kernel="(\w+)"', path.read_text()))
+    assert names == set(_auto.MEASURED), names ^ set(_auto.MEASURED)
+
+
 def test_every_kernel_with_a_pallas_path_is_in_the_table_or_decides_itself():
     # flash_attention's kernels were measured against cuDNN, not against their XLA path:
     # auto keeps them on a GPU, as its docstring says. Every other Pallas op has a row.
