@@ -1,5 +1,6 @@
 """rudax type-checks clean and says so: pyright and mypy report no error over rudax/, and the
-wheel ships ``rudax/py.typed`` (PEP 561), so a user's checker reads rudax's inline hints.
+wheel ships ``rudax/py.typed`` (PEP 561), so a user's checker reads rudax's inline hints
+(and the one data file the package reads, ``rudax/kernels/auto_table.json``).
 
 Both checkers run as ``pyproject.toml`` configures them (pyright in basic mode, mypy with
 ``warn_unused_ignores``), in a subprocess at the repository root, on the interpreter running
@@ -81,4 +82,7 @@ def test_wheel_ships_py_typed(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = (tmp_path / "wheel").glob("rudax-*.whl")
-    assert "rudax/py.typed" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "rudax/py.typed" in names
+    # impl="auto"'s measured table, read at import by rudax.kernels._auto
+    assert "rudax/kernels/auto_table.json" in names

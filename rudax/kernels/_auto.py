@@ -1,37 +1,72 @@
 """What ``impl="auto"`` runs on a GPU: each kernel's Pallas path only where it was measured
-faster there than the kernel's own XLA path.
+faster, on that GPU (or the nearest one measured), than the kernel's own XLA path.
 
-``MEASURED`` is the committed table of those measurements, one row per kernel, copied from
-``docs/gpu_results.md`` (``tests/kernels/test_auto.py`` reads both and fails if they
-differ, or if ``auto`` would take an arm measured slower). A kernel's row gives each arm's
-speed against one baseline, median over alternating rounds: the Pallas arm and the XLA arm
-of the same call on the same shapes. ``auto`` takes Pallas for a kernel whose Pallas arm was
-measured faster, and the XLA path for one measured slower; off a GPU it is always the XLA
-path (``rudax.kernels._compat.resolve_impl``).
+The measurements are one committed file, ``rudax/kernels/auto_table.json``, written by one
+script (``python -m benchmarks.tune_gpu`` on the GPU, then ``--merge`` into the file). Per
+GPU name, each row is one kernel at one size and dtype: the speeds of its Pallas and XLA
+arms against the same baseline, medians over alternating rounds. A kernel's *size* is the
+one number its speed turns on: the feature width for ``rms_norm``, ``layer_norm``,
+``silu_mul`` and ``nf4_matmul`` (its in-features); the parameter count for
+``adamw_update`` and ``global_norm`` (``fused_adamw``'s two kernels), whose calls give no
+size (they see one leaf, or one tree of a model's), so they read the largest measured.
 
-Kernels without a row decide for themselves and say so in their docstrings:
-``flash_attention``'s Pallas kernels were measured against cuDNN, not against their XLA path
-(a blocked loop of jnp), and ``auto`` keeps them on a GPU.
+Which row a call reads (``auto_takes_pallas``):
 
-One GPU so far (an H200); a table per GPU name, and a sweep that writes it, come with the
-next measurements (issue 42). Until then every GPU takes the H200's choices.
+* the GPU: the one the computation is lowered for (``_compat.target_gpu``), by name
+  (``jax.Device.device_kind``, or the device of ``rudax.kernels.gpu_export_target`` when
+  exporting from a host without one).
+  A GPU the table does not hold takes the nearest one it does: the same compute capability
+  major version first, then the closest capability; an unknown capability (an export
+  target's name alone) takes the table's first GPU, the reference. If that GPU has no row
+  for the kernel, the next nearest that has one.
+* the row: the call's dtype if measured (else any dtype), then the size nearest the call's
+  on a log scale (no size given: the largest measured, the size the table was made for).
+
+``auto`` takes Pallas for a row whose Pallas arm was measured faster, the XLA path otherwise;
+off a GPU it is always the XLA path (``rudax.kernels._compat.resolve_impl``). Kernels without
+any row decide for themselves and say so in their docstrings: ``flash_attention``'s Pallas
+kernels were measured against cuDNN, not against their XLA path (a blocked loop of jnp), and
+``auto`` keeps them on a GPU. ``tests/kernels/test_auto.py`` checks the file against
+``docs/gpu_results.md`` and that ``auto`` never takes an arm its row measured slower.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
 
-__all__ = ["MEASURED", "Measured", "auto_takes_pallas"]
+import numpy as np
+
+__all__ = [
+    "TABLE_PATH",
+    "GpuTable",
+    "Measured",
+    "auto_takes_pallas",
+    "load_table",
+    "load_table_text",
+    "lookup",
+    "nearest_gpus",
+]
+
+TABLE_PATH = Path(__file__).with_name("auto_table.json")
+SCHEMA = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """One kernel's measurement: the speeds of its Pallas and XLA arms against a baseline."""
+    """One kernel at one size and dtype on one GPU: its Pallas and XLA arms' speeds."""
 
-    group: str  # the benchmark's group, as docs/gpu_results.md's table names it
-    pallas_arm: str  # the arms' names in that table
+    kernel: str
+    size: int  # the kernel's size class (module docstring)
+    dtype: str  # the inputs' dtype, a numpy name
+    group: str  # the benchmark's group and arms, as its table names them
+    pallas_arm: str
     xla_arm: str
-    pallas: float  # speed vs the group's baseline (median)
+    pallas: float  # speed vs the group's baseline (median over rounds)
     xla: float
 
     @property
@@ -39,26 +74,102 @@ class Measured:
         return self.pallas > self.xla
 
 
-# docs/gpu_results.md, "Kernels": python -m benchmarks.kernels --rounds 5 --iters 3, one NVIDIA
-# H200, jax 0.11.2 (CUDA 13), 2026-12-04, commit 688e8bb.
-_RMS = "rms_norm fwd+bwd (8192, 4096) bf16"
-_LAYER = "layer_norm fwd+bwd (8192, 4096) bf16"
-_SILU = "silu_mul fwd+bwd (8192, 4096) bf16"
-_ADAMW = "AdamW step, 125,000,000 fp32 params, clip 1.0"
-_NF4 = "nf4_matmul fwd+bwd(dx), x (4096, 4096) bf16, W (4096, 4096): 275 GFLOP"
-MEASURED: dict[str, Measured] = {
-    "rms_norm": Measured(_RMS, "rms_norm pallas", "rms_norm xla", 1.328, 1.009),
-    "layer_norm": Measured(_LAYER, "layer_norm pallas", "layer_norm xla", 2.079, 1.027),
-    "silu_mul": Measured(_SILU, "silu_mul pallas", "silu_mul xla", 0.901, 1.043),
-    # fused_adamw's two kernels, timed together: the global norm's and the update's
-    "adamw_update": Measured(_ADAMW, "fused_adamw pallas", "fused_adamw xla", 0.590, 0.973),
-    "global_norm": Measured(_ADAMW, "fused_adamw pallas", "fused_adamw xla", 0.590, 0.973),
-    "nf4_matmul": Measured(_NF4, "nf4_matmul pallas", "nf4_matmul xla", 0.298, 1.000),
-}
+@dataclasses.dataclass(frozen=True)
+class GpuTable:
+    """One GPU's rows, and where they came from."""
+
+    name: str  # jax.Device.device_kind, e.g. "NVIDIA H200"
+    compute_capability: str  # "9.0"
+    measured: str  # date, jax version, commit
+    command: str  # what wrote the rows
+    kernels: tuple[Measured, ...]
 
 
-def auto_takes_pallas(kernel: str) -> bool:
-    """Whether ``impl="auto"`` runs ``kernel``'s Pallas path on a GPU: measured faster, or
-    not in the table (the kernel decides)."""
-    measured = MEASURED.get(kernel)
-    return measured is None or measured.pallas_wins
+def load_table(path: Path | str = TABLE_PATH) -> tuple[GpuTable, ...]:
+    """The GPUs of a table file, in its order (the first is the reference). A ValueError
+    naming the file and what is wrong for a file this version cannot read."""
+    return load_table_text(Path(path).read_text(), str(path))
+
+
+def load_table_text(text: str, path: str) -> tuple[GpuTable, ...]:
+    """``load_table`` of a file's text (``path`` names it in errors)."""
+    data = json.loads(text)
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema must be {SCHEMA}, got {data.get('schema')!r}")
+    gpus = []
+    for gpu in data["gpus"]:
+        rows = tuple(Measured(**row) for row in gpu.pop("kernels"))
+        gpus.append(GpuTable(**gpu, kernels=rows))
+    names = [g.name for g in gpus]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: a GPU is listed twice in {names}")
+    return tuple(gpus)
+
+
+@functools.cache
+def _table() -> tuple[GpuTable, ...]:
+    return load_table()
+
+
+def _capability(text: str | None) -> tuple[int, int] | None:
+    try:
+        major, minor = str(text).split(".")
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def nearest_gpus(
+    gpus: tuple[GpuTable, ...], name: str | None, capability: str | None
+) -> list[GpuTable]:
+    """The table's GPUs, nearest to the one named first (module docstring)."""
+    exact = [g for g in gpus if g.name == name]
+    rest = [g for g in gpus if g.name != name]
+    want = _capability(capability)
+    if want is not None:
+
+        def distance(g: GpuTable) -> tuple[int, int]:
+            have = _capability(g.compute_capability) or (0, 0)
+            return abs(have[0] - want[0]), abs(have[1] - want[1])
+
+        rest.sort(key=distance)  # stable: ties keep the table's order
+    return exact + rest
+
+
+def lookup(
+    kernel: str,
+    *,
+    size: int | None = None,
+    dtype: Any = None,
+    gpu: tuple[str, str | None] | None = None,
+    gpus: tuple[GpuTable, ...] | None = None,
+) -> tuple[GpuTable, Measured] | None:
+    """The GPU and row ``auto`` reads for ``kernel`` (module docstring); None without one."""
+    gpus = _table() if gpus is None else gpus
+    name, capability = gpu if gpu is not None else (None, None)
+    for table in nearest_gpus(gpus, name, capability):
+        rows = [r for r in table.kernels if r.kernel == kernel]
+        if not rows:
+            continue
+        if dtype is not None:
+            same = [r for r in rows if r.dtype == np.dtype(dtype).name]
+            rows = same or rows
+        if size is None:
+            return table, max(rows, key=lambda r: r.size)
+        return table, min(rows, key=lambda r: abs(math.log(r.size) - math.log(max(size, 1))))
+    return None
+
+
+def auto_takes_pallas(
+    kernel: str,
+    *,
+    size: int | None = None,
+    dtype: Any = None,
+    gpu: tuple[str, str | None] | None = None,
+) -> bool:
+    """Whether ``impl="auto"`` runs ``kernel``'s Pallas path on ``gpu`` (``(device_kind,
+    compute capability)`` of the GPU lowered for, ``rudax.kernels._compat.target_gpu``):
+    measured faster there (or on the nearest GPU measured), or not in the table at all (the
+    kernel decides)."""
+    found = lookup(kernel, size=size, dtype=dtype, gpu=gpu)
+    return found is None or found[1].pallas_wins

@@ -115,6 +115,23 @@ def backends_are_initialized() -> bool:
     return bool(check()) if check is not None else False
 
 
+def target_gpu() -> tuple[str, str | None] | None:
+    """``(device_kind, compute capability)`` of the GPU being lowered for, or None.
+
+    Inside ``gpu_export_target`` its abstract device (no capability known); else the first
+    local GPU, asked only once JAX has started its backends (asking would start them, after
+    which ``XLA_FLAGS`` is no longer read).
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None and device.platform in ("cuda", "gpu"):
+        return device.device_kind, None
+    if backends_are_initialized():
+        for d in jax.devices():
+            if d.platform == "gpu":
+                return d.device_kind, getattr(d, "compute_capability", None)
+    return None
+
+
 def gpu_lowering_available() -> bool:
     """True when this JAX can lower rudax's Pallas kernels for the GPU (Triton)."""
     return _triton is not None
@@ -123,7 +140,14 @@ def gpu_lowering_available() -> bool:
 Path = Literal["auto", "pallas", "interpret", "xla"]
 
 
-def resolve_impl(impl: str, *, interpret: bool = False, kernel: str | None = None) -> Path:
+def resolve_impl(
+    impl: str,
+    *,
+    interpret: bool = False,
+    kernel: str | None = None,
+    size: int | None = None,
+    dtype: Any = None,
+) -> Path:
     """Turns a kernel's ``impl`` argument into the path its jitted body takes.
 
     Nothing here asks which backend is the default: the choice between Pallas and XLA is
@@ -131,7 +155,8 @@ def resolve_impl(impl: str, *, interpret: bool = False, kernel: str | None = Non
 
     * ``"auto"``: Pallas where lowered for a GPU, XLA elsewhere; ``"xla"`` when this JAX has
       no GPU lowering for Pallas, or when ``kernel``'s Pallas path was measured slower than
-      its XLA path on a GPU (``rudax.kernels._auto.MEASURED``).
+      its XLA path on the GPU lowered for (``rudax.kernels._auto``: the row of ``kernel``
+      nearest ``size`` and ``dtype``).
     * ``"pallas"``: Pallas for a GPU; lowering for any other platform raises.
     * ``"interpret"`` (``impl="pallas", interpret=True``): Pallas in interpret mode, anywhere.
     * ``"xla"``: the pure-jnp path.
@@ -140,6 +165,8 @@ def resolve_impl(impl: str, *, interpret: bool = False, kernel: str | None = Non
       impl: ``"auto"``, ``"pallas"`` or ``"xla"``.
       interpret: whether Pallas, where it runs, runs in interpret mode.
       kernel: the kernel's name in the measured table, for ``"auto"``.
+      size: the call's size class (``rudax.kernels._auto``: features, or parameters).
+      dtype: the call's input dtype.
 
     Returns:
       The path. A ValueError for any other ``impl``, or for ``"pallas"`` without
@@ -156,7 +183,9 @@ def resolve_impl(impl: str, *, interpret: bool = False, kernel: str | None = Non
     if impl == "xla":
         return "xla"
     if impl == "auto":
-        pallas = gpu_lowering_available() and (kernel is None or auto_takes_pallas(kernel))
+        pallas = gpu_lowering_available() and (
+            kernel is None or auto_takes_pallas(kernel, size=size, dtype=dtype, gpu=target_gpu())
+        )
         return "auto" if pallas else "xla"
     if interpret:
         return "interpret"

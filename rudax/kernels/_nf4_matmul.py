@@ -193,7 +193,9 @@ def _choose_path(impl: str, interpret: bool, x: Any, q: NF4Tensor, c: jnp.dtype)
     # these kernels' 1.67 ms, x (4096, 4096) bf16 and W (4096, 4096), forward and dx). XLA
     # dequantizes W once per call into a bf16 copy and runs cuBLAS; the kernels dequantize
     # each tile once per tile of rows, which costs more than the copy saves.
-    path = _compat.resolve_impl(impl, interpret=interpret, kernel="nf4_matmul")
+    path = _compat.resolve_impl(
+        impl, interpret=interpret, kernel="nf4_matmul", size=q.shape[1], dtype=x.dtype
+    )
     if path == "xla":
         return path
     n, k = q.shape

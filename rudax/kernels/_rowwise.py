@@ -93,7 +93,9 @@ def _check_vector(name: str, v: Any, x: Any) -> None:
 
 def _choose_path(impl: str, interpret: bool, x: jax.Array, kernel: str) -> str:
     """resolve_impl, then XLA for rows too wide for one block (or an error if forced)."""
-    path = _compat.resolve_impl(impl, interpret=interpret, kernel=kernel)
+    path = _compat.resolve_impl(
+        impl, interpret=interpret, kernel=kernel, size=x.shape[-1], dtype=x.dtype
+    )
     if path != "xla" and x.shape[-1] > MAX_FEATURES:
         if impl == "auto":
             return "xla"

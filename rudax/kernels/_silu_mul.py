@@ -259,7 +259,13 @@ def silu_mul(
     check_block(block, SiluMulBlock)
     if block is None:
         block = SiluMulBlock()
-    resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="silu_mul")
+    resolved = _compat.resolve_impl(
+        impl,
+        interpret=interpret,
+        kernel="silu_mul",
+        size=gate.shape[-1] if gate.ndim else 1,
+        dtype=gate.dtype,
+    )
     if gate.size == 0:
         resolved = "xla"  # nothing for a kernel to do, and no grid to launch
     if resolved != "xla" and gate.size > _MAX_PALLAS_ELEMENTS:
