@@ -15,12 +15,16 @@ written. At the end ``--out`` holds:
   ``returncode``, ``log`` and ``results``, the stage's JSON or None);
 * ``<stage>.log`` and ``<stage>.json`` of each stage.
 
-The stages: the environment; the kernel, layer and fused-optimizer tests compiled for the GPU
-(they interpret Pallas only where there is no GPU); ``benchmarks.attention --gpu`` (flash
-attention's TFLOP/s against cuDNN); ``benchmarks.kernels``;
-``benchmarks.gpu_trainer`` (tokens/s and MFU); ``benchmarks.gpu_determinism``;
-``benchmarks.embedding_backward`` under XLA's deterministic flags; ``benchmarks.remat``
-(XLA's temporary bytes per remat policy). Exit code 0 when every stage is "ok".
+The stages ``gpu_check.sh`` runs (``DEFAULT``): the environment; the kernel, layer and
+fused-optimizer tests compiled for the GPU (they interpret Pallas only where there is no
+GPU); ``benchmarks.tune_gpu`` (``impl="auto"``'s table, merged afterwards with ``--merge``);
+``benchmarks.attention --gpu`` (flash attention's TFLOP/s against cuDNN);
+``benchmarks.gpu_trainer`` (tokens/s and MFU); ``benchmarks.shared_prefix``. Measured on
+the first GPU run and rerun by name with ``--only``: ``benchmarks.kernels``,
+``benchmarks.gpu_determinism``, ``benchmarks.embedding_backward`` under XLA's deterministic
+flags, ``benchmarks.remat`` (XLA's temporary bytes per remat policy),
+``benchmarks.finetune_mesh``, ``benchmarks.post_train``. Exit code 0 when every stage is
+"ok".
 """
 
 from __future__ import annotations
@@ -96,7 +100,18 @@ def _junit(out: Path) -> dict[str, Any] | None:
     return counts
 
 
+# What gpu_check.sh runs (issue 42's measurements): the others were measured on the first GPU
+# run (docs/gpu_results.md) and rerun by name, --only kernels,determinism,...
+DEFAULT = ("env", "tests", "tune", "attention", "trainer", "shared_prefix")
+
+
 def default_stages() -> list[Stage]:
+    """The stages gpu_check.sh runs, in order: ``DEFAULT``."""
+    stages = {s.name: s for s in all_stages()}
+    return [stages[name] for name in DEFAULT]
+
+
+def all_stages() -> list[Stage]:
     py = "{python}"
     env = (
         "import json, jax, flax, optax, orbax.checkpoint as ocp, sys; "
@@ -138,6 +153,15 @@ def default_stages() -> list[Stage]:
                 "tests/layers",
             ),
             _junit,
+        ),
+        # impl="auto"'s table: each kernel's Pallas and XLA arms at Llama-8B's sizes first
+        # (benchmarks/tune_gpu.py); merged into rudax/kernels/auto_table.json afterwards, on
+        # the machine that commits, with python -m benchmarks.tune_gpu --merge.
+        Stage(
+            "tune",
+            170,
+            (py, "-m", "benchmarks.tune_gpu", "--budget-s", "140", "--out", "{out}/tune.json"),
+            _json_file("tune"),
         ),
         # Flash attention: TFLOP/s of the Pallas kernels against cuDNN, causal and packed.
         Stage(
@@ -394,6 +418,14 @@ def _kernels(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tune(r: dict[str, Any]) -> list[str]:
+    """benchmarks.tune_gpu's sweep, as the kernels' table (its rows are the same kind)."""
+    lines = _kernels({"device": r["gpu"]["name"], "rows": r["groups"]})
+    lines[0] = f"tune ({r['gpu']['name']}, for rudax/kernels/auto_table.json):"
+    left = r.get("left_out") or []
+    return lines + ([f"left out (budget): {'; '.join(left)}"] if left else [])
+
+
 def _trainer(r: dict[str, Any]) -> list[str]:
     return [
         f"trainer ({r['preset']}, {r['parameters'] / 1e6:.1f}M parameters, "
@@ -460,6 +492,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "tests": _tests,
     "attention": _attention,
     "kernels": _kernels,
+    "tune": _tune,
     "trainer": _trainer,
     "determinism": _determinism,
     "embedding": _embedding,
@@ -473,10 +506,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_results"))
     p.add_argument("--total", type=float, default=530.0, help="seconds for every stage")
-    p.add_argument("--only", help="comma-separated stage names (default: all)")
+    p.add_argument("--only", help=f"comma-separated stage names (default: {','.join(DEFAULT)})")
     args = p.parse_args(argv)
     stages = default_stages()
     if args.only:
+        stages = all_stages()
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - {s.name for s in stages})
         if unknown:

@@ -50,12 +50,13 @@ def copy_arm(n: int, dtype) -> callable:
     return run
 
 
-def norm_arms(op: str, impls: list[str], x, scale, bias) -> dict:
+def norm_arms(op: str, impls: list[str], x, scale, bias, *, interpret: bool = False) -> dict:
     """Forward + backward of `op` per impl, and of its `*_reference` under plain autodiff
-    (what a user writing the op in jnp would run: the baseline each path is compared to)."""
+    (what a user writing the op in jnp would run: the baseline each path is compared to).
+    ``interpret``: the Pallas arm in interpret mode (a CPU check of a sweep, not a timing)."""
 
     def fwd_bwd(impl):
-        kw = {} if impl == "autodiff" else {"impl": impl}
+        kw = {} if impl == "autodiff" else {"impl": impl, "interpret": interpret}
         ops = {
             "rms_norm": rk.rms_norm_reference if impl == "autodiff" else rk.rms_norm,
             "layer_norm": rk.layer_norm_reference if impl == "autodiff" else rk.layer_norm,
@@ -80,7 +81,7 @@ def norm_arms(op: str, impls: list[str], x, scale, bias) -> dict:
     return {f"{op} {impl}": fwd_bwd(impl) for impl in ["autodiff", *impls]}
 
 
-def adamw_arms(impls: list[str], n_params: int) -> dict:
+def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False) -> dict:
     d = 4096
     params = {"w": jnp.zeros((n_params // d, d), jnp.float32), "b": jnp.zeros((n_params % d + 1,))}
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
@@ -89,7 +90,9 @@ def adamw_arms(impls: list[str], n_params: int) -> dict:
     # equivalent, the plain chain a lower bound that checks nothing.
     txs = {"adamw unfused chain": chain, "skip_nonfinite(chain)": ro.skip_nonfinite(chain)}
     for impl in impls:
-        txs[f"fused_adamw {impl}"] = ro.fused_adamw(1e-3, max_grad_norm=1.0, impl=impl)
+        txs[f"fused_adamw {impl}"] = ro.fused_adamw(
+            1e-3, max_grad_norm=1.0, impl=impl, interpret=interpret
+        )
 
     def make(tx):
         holder = {"p": jax.tree.map(jnp.copy, params)}
@@ -110,7 +113,9 @@ def adamw_arms(impls: list[str], n_params: int) -> dict:
     return {name: make(tx) for name, tx in txs.items()}
 
 
-def nf4_matmul_arms(impls: list[str], tokens: int, features: int, out_features: int) -> dict:
+def nf4_matmul_arms(
+    impls: list[str], tokens: int, features: int, out_features: int, *, interpret: bool = False
+) -> dict:
     """Forward + backward (dx only: the NF4 base is frozen) of x @ W^T, W (out, in).
 
     The weight is an argument of the jitted step, not a constant folded into it; each arm
@@ -132,7 +137,7 @@ def nf4_matmul_arms(impls: list[str], tokens: int, features: int, out_features: 
 
     arms = {"dense bf16 x @ W^T": fwd_bwd(lambda x, w: x @ w.T, w)}
     for impl in impls:
-        op = lambda x, q, impl=impl: rk.nf4_matmul(x, q, impl=impl)
+        op = lambda x, q, impl=impl: rk.nf4_matmul(x, q, impl=impl, interpret=interpret)
         arms[f"nf4_matmul {impl}"] = fwd_bwd(op, q)
     return arms
 
