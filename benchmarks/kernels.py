@@ -26,6 +26,7 @@ Python, not a kernel). On GPU the Pallas paths run against their XLA fallbacks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -50,13 +51,35 @@ def copy_arm(n: int, dtype) -> callable:
     return run
 
 
-def norm_arms(op: str, impls: list[str], x, scale, bias, *, interpret: bool = False) -> dict:
+def block_name(block) -> str:
+    """A block's fields that differ from its dataclass's defaults, ``"size=2048,num_warps=8"``
+    ("" for the defaults): the suffix of a Pallas arm run with it."""
+    default = type(block)()
+    return ",".join(
+        f"{f.name}={getattr(block, f.name)}"
+        for f in dataclasses.fields(block)
+        if getattr(block, f.name) != getattr(default, f.name)
+    )
+
+
+def pallas_arm_name(base: str, block) -> str:
+    """``base`` (``"rms_norm pallas"``), with the block's fields when one is given."""
+    return base if block is None else f"{base} {block_name(block) or 'defaults'}"
+
+
+def norm_arms(
+    op: str, impls: list[str], x, scale, bias, *, interpret: bool = False, blocks=(None,)
+) -> dict:
     """Forward + backward of `op` per impl, and of its `*_reference` under plain autodiff
     (what a user writing the op in jnp would run: the baseline each path is compared to).
-    ``interpret``: the Pallas arm in interpret mode (a CPU check of a sweep, not a timing)."""
+    ``interpret``: the Pallas arm in interpret mode (a CPU check of a sweep, not a timing);
+    ``blocks``: the Pallas arm once per block (None: the kernel's own choice), named by
+    ``pallas_arm_name``."""
 
-    def fwd_bwd(impl):
+    def fwd_bwd(impl, block=None):
         kw = {} if impl == "autodiff" else {"impl": impl, "interpret": interpret}
+        if block is not None:
+            kw["block"] = block
         ops = {
             "rms_norm": rk.rms_norm_reference if impl == "autodiff" else rk.rms_norm,
             "layer_norm": rk.layer_norm_reference if impl == "autodiff" else rk.layer_norm,
@@ -78,7 +101,11 @@ def norm_arms(op: str, impls: list[str], x, scale, bias, *, interpret: bool = Fa
         dy = jnp.ones_like(x)
         return lambda: step(x, scale, dy)
 
-    return {f"{op} {impl}": fwd_bwd(impl) for impl in ["autodiff", *impls]}
+    arms = {f"{op} {impl}": fwd_bwd(impl) for impl in ["autodiff", *impls] if impl != "pallas"}
+    if "pallas" in impls:
+        for block in blocks:
+            arms[pallas_arm_name(f"{op} pallas", block)] = fwd_bwd("pallas", block)
+    return arms
 
 
 def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False) -> dict:
@@ -114,9 +141,16 @@ def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False) -> d
 
 
 def nf4_matmul_arms(
-    impls: list[str], tokens: int, features: int, out_features: int, *, interpret: bool = False
+    impls: list[str],
+    tokens: int,
+    features: int,
+    out_features: int,
+    *,
+    interpret: bool = False,
+    blocks=(None,),
 ) -> dict:
-    """Forward + backward (dx only: the NF4 base is frozen) of x @ W^T, W (out, in).
+    """Forward + backward (dx only: the NF4 base is frozen) of x @ W^T, W (out, in); the
+    Pallas arm once per block of ``blocks`` (as ``norm_arms``).
 
     The weight is an argument of the jitted step, not a constant folded into it; each arm
     dequantizes (or reads) it on every call, as a fine-tuning step does.
@@ -137,8 +171,11 @@ def nf4_matmul_arms(
 
     arms = {"dense bf16 x @ W^T": fwd_bwd(lambda x, w: x @ w.T, w)}
     for impl in impls:
-        op = lambda x, q, impl=impl: rk.nf4_matmul(x, q, impl=impl, interpret=interpret)
-        arms[f"nf4_matmul {impl}"] = fwd_bwd(op, q)
+        for block in blocks if impl == "pallas" else (None,):
+            op = lambda x, q, impl=impl, block=block: rk.nf4_matmul(
+                x, q, impl=impl, interpret=interpret, block=block
+            )
+            arms[pallas_arm_name(f"nf4_matmul {impl}", block)] = fwd_bwd(op, q)
     return arms
 
 

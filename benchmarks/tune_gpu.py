@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -41,8 +42,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks._timing import alternate
-from benchmarks.kernels import adamw_arms, copy_arm, nf4_matmul_arms, norm_arms, report
+import rudax.kernels as rk
+from benchmarks._timing import alternate, ratio_summary
+from benchmarks.attention import _forward_backward as forward_backward
+from benchmarks.attention import _inputs as attention_inputs
+from benchmarks.attention import causal_flops
+from benchmarks.kernels import (
+    adamw_arms,
+    copy_arm,
+    nf4_matmul_arms,
+    norm_arms,
+    pallas_arm_name,
+    report,
+)
 from rudax.kernels import _auto
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +63,13 @@ DOC = REPO / "docs" / "gpu_results.md"
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One measurement: ``kernels`` (the table's names it gives a row to) at one size."""
+    """One measurement: ``kernels`` (the table's names it gives a row to) at one size.
+
+    ``build(impls, interpret)`` gives the arms and, for a kernel whose speed is its bytes,
+    each arm's bytes per call (a copy arm among them); for attention, None (TFLOP/s instead,
+    from ``flops``). The Pallas arm runs once per block of ``blocks``, the first None (the
+    kernel's own choice), each named ``pallas_arm_name(pallas_arm, block)``.
+    """
 
     kernels: tuple[str, ...]
     size: int
@@ -59,18 +77,20 @@ class Case:
     group: str  # the benchmark's group title, as the document's table names it
     baseline: str
     pallas_arm: str
-    xla_arm: str
-    build: Callable[[list[str], bool], tuple[dict, dict]]  # (impls, interpret) -> arms, bytes
+    xla_arm: str  # "" where the XLA path is not an arm (attention: against cuDNN)
+    build: Callable[[list[str], bool], tuple[dict, dict | None]]
+    blocks: tuple[Any, ...] = (None,)
+    flops: float = 0.0
 
 
-def _rowwise(op: str, rows: int, width: int) -> Case:
+def _rowwise(op: str, rows: int, width: int, blocks: tuple[Any, ...]) -> Case:
     """rms_norm, layer_norm or silu_mul, forward + backward, on (rows, width) bf16."""
 
     def build(impls: list[str], interpret: bool) -> tuple[dict, dict]:
         x = jax.random.normal(jax.random.key(0), (rows, width), jnp.float32).astype(jnp.bfloat16)
         second = x if op == "silu_mul" else jnp.ones((width,), jnp.bfloat16)
         bias = jnp.zeros((width,), jnp.bfloat16)
-        arms = norm_arms(op, impls, x, second, bias, interpret=interpret)
+        arms = norm_arms(op, impls, x, second, bias, interpret=interpret, blocks=blocks)
         n = rows * width
         # Least traffic in bf16 elements: a norm reads x, writes y, then reads x and dy and
         # writes dx (5); silu_mul 2 in + 1 out, then 3 in + 2 out (8).
@@ -88,15 +108,16 @@ def _rowwise(op: str, rows: int, width: int) -> Case:
         f"{op} pallas",
         f"{op} xla",
         build,
+        blocks,
     )
 
 
-def _nf4(tokens: int, features: int, out_features: int) -> Case:
+def _nf4(tokens: int, features: int, out_features: int, blocks: tuple[Any, ...]) -> Case:
     """nf4_matmul forward + backward (dx), x (tokens, features) bf16, W (out, features)."""
 
     def build(impls: list[str], interpret: bool) -> tuple[dict, dict]:
         t, k, n = tokens, features, out_features
-        arms = nf4_matmul_arms(impls, t, k, n, interpret=interpret)
+        arms = nf4_matmul_arms(impls, t, k, n, interpret=interpret, blocks=blocks)
         # The forward reads x and W, writes y; the backward reads dy and W, writes dx. W is
         # 2 bytes a weight dense, 0.5 + 1/64 in NF4 (codes and 8-bit absmax codes).
         activations = 2 * (t * k + t * n + t * n + t * k)
@@ -120,6 +141,7 @@ def _nf4(tokens: int, features: int, out_features: int) -> Case:
         "nf4_matmul pallas",
         "nf4_matmul xla",
         build,
+        blocks,
     )
 
 
@@ -146,54 +168,172 @@ def _adamw(n_params: int) -> Case:
     )
 
 
+def _attention(b: int, t: int, h: int, head_dim: int, baseline: str, blocks) -> Case:
+    """Causal flash attention, forward + backward, bf16, against ``baseline`` ("cudnn" on a
+    GPU; "xla", flash_attention's own XLA path, for the CPU check)."""
+
+    def build(impls: list[str], interpret: bool) -> tuple[dict, None]:
+        q, k, v, d_out = attention_inputs(b, t, h, h, head_dim, jnp.bfloat16)
+
+        def arm(**kw):
+            step = forward_backward(lambda q, k, v: rk.flash_attention(q, k, v, causal=True, **kw))
+            return lambda: step(q, k, v, d_out)
+
+        arms = {f"flash_attention {baseline}": arm(impl=baseline)}
+        for block in blocks:
+            name = pallas_arm_name("flash_attention pallas", block)
+            arms[name] = arm(impl="pallas", interpret=interpret, block=block)
+        return arms, None
+
+    return Case(
+        ("flash_attention",),
+        head_dim,
+        "bfloat16",
+        f"flash_attention causal fwd+bwd B={b} H={h} T={t} K={head_dim} bf16",
+        f"flash_attention {baseline}",
+        "flash_attention pallas",
+        "flash_attention xla" if baseline == "xla" else "",
+        build,
+        blocks,
+        3.5 * causal_flops(b, t, h, head_dim),
+    )
+
+
+# The candidates each sweep tries besides the kernel's own choice (None): about the usual
+# Triton shapes for a memory-bound row or elementwise pass, and for flash attention on
+# Hopper (FlashAttention-2's 128-row query tiles, more warps and stages), within what fits
+# a block's registers and shared memory there. A candidate that fails to compile is dropped.
+ROW_BLOCKS = (
+    None,
+    rk.RowBlock(rows=1, num_warps=4),
+    rk.RowBlock(rows=1, num_warps=16),
+    rk.RowBlock(rows=2, num_warps=8),
+    rk.RowBlock(rows=4, num_warps=8),
+)
+SILU_BLOCKS = (
+    None,
+    rk.SiluMulBlock(size=2048, num_warps=4),
+    rk.SiluMulBlock(size=4096, num_warps=8),
+    rk.SiluMulBlock(size=8192, num_warps=8),
+)
+NF4_BLOCKS = (
+    None,
+    rk.NF4MatmulBlock(block_m=64, block_n=128, num_warps=4, num_stages=3),
+    rk.NF4MatmulBlock(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+)
+ATTENTION_BLOCKS = (
+    None,
+    rk.FlashAttentionBlock(q=128, num_stages=3),
+    rk.FlashAttentionBlock(q=128, num_warps=8, num_stages=3),
+    rk.FlashAttentionBlock(q=128, kv=128, kv_backward=128, num_warps=8),
+    rk.FlashAttentionBlock(q=128, q_backward=128, num_warps=8, num_stages=3),
+)
+
+
 def cases(small: bool = False) -> list[Case]:
     """The sweep in the order it runs: Llama-8B's sizes first, AdamW at 1B last."""
     if small:
+        two = (None, rk.SiluMulBlock(size=2048))
         return [
-            _rowwise("rms_norm", 64, 256),
-            _rowwise("silu_mul", 64, 256),
-            _nf4(16, 128, 256),
+            _rowwise("rms_norm", 64, 256, ROW_BLOCKS[:2]),
+            _rowwise("silu_mul", 64, 256, two),
+            _nf4(16, 128, 256, NF4_BLOCKS[:2]),
             _adamw(20_000),
-            _rowwise("layer_norm", 64, 128),
+            _rowwise("layer_norm", 64, 128, ROW_BLOCKS[:1]),
+            _attention(1, 64, 2, 64, "xla", (None, rk.FlashAttentionBlock(q=32))),
         ]
     rows = 8192
+    attention = lambda head_dim: _attention(2, 4096, 32, head_dim, "cudnn", ATTENTION_BLOCKS)
     return [
-        _rowwise("rms_norm", rows, 4096),
-        _rowwise("layer_norm", rows, 4096),
-        _rowwise("silu_mul", rows, 14336),
-        _nf4(4096, 4096, 14336),
-        _nf4(4096, 14336, 4096),
+        _rowwise("rms_norm", rows, 4096, ROW_BLOCKS),
+        _rowwise("layer_norm", rows, 4096, ROW_BLOCKS),
+        _rowwise("silu_mul", rows, 14336, SILU_BLOCKS),
+        attention(128),
+        _nf4(4096, 4096, 14336, NF4_BLOCKS),
+        _nf4(4096, 14336, 4096, NF4_BLOCKS),
         _adamw(125_000_000),
-        _rowwise("rms_norm", rows, 1024),
-        _rowwise("layer_norm", rows, 1024),
-        _rowwise("silu_mul", rows, 4096),
-        _rowwise("rms_norm", rows, 8192),
-        _rowwise("layer_norm", rows, 8192),
+        attention(64),
+        _rowwise("rms_norm", rows, 1024, ROW_BLOCKS),
+        _rowwise("layer_norm", rows, 1024, ROW_BLOCKS),
+        _rowwise("silu_mul", rows, 4096, SILU_BLOCKS),
+        _rowwise("rms_norm", rows, 8192, ROW_BLOCKS),
+        _rowwise("layer_norm", rows, 8192, ROW_BLOCKS),
         _adamw(1_000_000_000),
     ]
 
 
-def measure(case: Case, *, interpret: bool, rounds: int, iters: int) -> tuple[list, list]:
-    """One case: (its rows for the table, its rows for the document)."""
+def _compiled(arms: dict) -> tuple[dict, dict[str, str]]:
+    """The arms that compile and run once, and each failure's first line by arm: a
+    candidate block that does not fit this GPU is dropped, not the sweep."""
+    ok, failed = {}, {}
+    for name, arm in arms.items():
+        try:
+            jax.block_until_ready(arm())
+        except Exception as e:  # any compile or launch error drops the arm, not the sweep
+            failed[name] = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        else:
+            ok[name] = arm
+    return ok, failed
+
+
+def _block_fields(block: Any) -> dict[str, int] | None:
+    """A row's ``block``: the fields that differ from the defaults ({} for the defaults
+    given explicitly); None for the kernel's own choice."""
+    if block is None:
+        return None
+    default = type(block)()
+    return {
+        f.name: getattr(block, f.name)
+        for f in dataclasses.fields(block)
+        if getattr(block, f.name) != getattr(default, f.name)
+    }
+
+
+def _attention_rows(case: Case, times: dict) -> list[dict]:
+    rows = []
+    print(f"\n{case.group}")
+    for name, ts in times.items():
+        ms = statistics.median(ts) * 1e3
+        speed = list(ratio_summary(times[case.baseline], ts))
+        rows.append(dict(group=case.group, arm=name, ms=ms, tflops=case.flops / ms / 1e9,
+                         speed_vs_baseline=speed))  # fmt: skip
+        print(f"{name:<60} {ms:9.3f} ms {rows[-1]['tflops']:6.1f} TFLOP/s {speed[0]:.3f}x")
+    return rows
+
+
+def measure(case: Case, *, interpret: bool, rounds: int, iters: int) -> tuple[list, list, dict]:
+    """One case: (its rows for the table, its rows for the document, arms that failed)."""
     arms, sizes = case.build(["xla", "pallas"], interpret)
+    arms, failed = _compiled(arms)
+    if case.baseline not in arms:
+        return [], [], failed
     times = alternate(arms, rounds=rounds, iters=iters)
     doc_rows: list = []
-    report(case.group, times, sizes, case.baseline, doc_rows)
+    if sizes is None:
+        doc_rows = _attention_rows(case, times)
+    else:
+        report(case.group, times, {n: sizes[n] for n in times}, case.baseline, doc_rows)
     speed = {r["arm"]: r["speed_vs_baseline"][0] for r in doc_rows if r["speed_vs_baseline"]}
+    candidates = {pallas_arm_name(case.pallas_arm, b): b for b in case.blocks}
+    measured = [name for name in candidates if name in speed]
+    if not measured or (case.xla_arm and case.xla_arm not in speed):
+        return [], doc_rows, failed
+    best = max(measured, key=lambda name: speed[name])
     table_rows = [
         dict(
             kernel=kernel,
             size=case.size,
             dtype=case.dtype,
             group=case.group,
-            pallas_arm=case.pallas_arm,
+            pallas_arm=best,
             xla_arm=case.xla_arm,
-            pallas=round(speed[case.pallas_arm], 3),
-            xla=round(speed[case.xla_arm], 3),
+            pallas=round(speed[best], 3),
+            xla=round(speed[case.xla_arm], 3) if case.xla_arm else None,
+            block=_block_fields(candidates[best]),
         )
         for kernel in case.kernels
     ]
-    return table_rows, doc_rows
+    return table_rows, doc_rows, failed
 
 
 def sweep(
@@ -225,6 +365,7 @@ def sweep(
             kernels=[],
         ),
         groups=[],
+        failed={},
         left_out=[],
     )
     start = time.monotonic()
@@ -233,9 +374,12 @@ def sweep(
         if time.monotonic() - start > budget_s:
             result["left_out"] = [c.group for c in todo[i:]]
             break
-        table_rows, doc_rows = measure(case, interpret=interpret, rounds=rounds, iters=iters)
+        table_rows, doc_rows, failed = measure(
+            case, interpret=interpret, rounds=rounds, iters=iters
+        )
         result["gpu"]["kernels"] += table_rows
         result["groups"] += doc_rows
+        result["failed"] |= failed
         out.write_text(json.dumps(result, indent=1) + "\n")
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -261,19 +405,39 @@ def doc_section(result: dict[str, Any], measured: str) -> str:
         f"`{gpu['command']}`: {measured}, compute capability {gpu['compute_capability']}. "
         f"The rows of `rudax/kernels/auto_table.json` for this GPU.",
         "",
-        "| group | arm | ms | GB/s | / copy | speed vs baseline [min, max] |",
-        "|---|---|---|---|---|---|",
     ]
-    for row in result["groups"]:
-        speed = row["speed_vs_baseline"]
-        text = "" if speed is None else f"{speed[0]:.3f}x [{speed[1]:.3f}, {speed[2]:.3f}]"
-        lines.append(
-            f"| {row['group']} | {row['arm']} | {row['ms']:.3f} | {row['gbps']:.1f} | "
-            f"{row['copy_fraction']:.2f} | {text} |"
-        )
+    lines += table_lines(result["groups"])
+    if result["failed"]:
+        lines += ["", "Arms that did not compile or run (dropped):", ""]
+        lines += [f"- {arm}: {error}" for arm, error in result["failed"].items()]
     if result["left_out"]:
         lines += ["", f"Left out (the budget ran out): {'; '.join(result['left_out'])}."]
     return "\n".join(lines) + "\n"
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """The kernels' rows (GB/s against a copy), then attention's (TFLOP/s), as tables."""
+    speed = lambda s: "" if s is None else f"{s[0]:.3f}x [{s[1]:.3f}, {s[2]:.3f}]"
+    kernels = [r for r in rows if "gbps" in r]
+    attention = [r for r in rows if "tflops" in r]
+    lines = []
+    if kernels:
+        lines += ["| group | arm | ms | GB/s | / copy | speed vs baseline [min, max] |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {r['group']} | {r['arm']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
+            f"{r['copy_fraction']:.2f} | {speed(r['speed_vs_baseline'])} |"
+            for r in kernels
+        ]
+    if attention:
+        lines += ["", "| group | arm | ms | TFLOP/s | | speed vs baseline [min, max] |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {r['group']} | {r['arm']} | {r['ms']:.3f} | {r['tflops']:.1f} | | "
+            f"{speed(r['speed_vs_baseline'])} |"
+            for r in attention
+        ]
+    return lines
 
 
 def merge(

@@ -14,19 +14,23 @@ Which row a call reads (``auto_takes_pallas``):
 
 * the GPU: the one the computation is lowered for (``_compat.target_gpu``), by name
   (``jax.Device.device_kind``, or the device of ``rudax.kernels.gpu_export_target`` when
-  exporting from a host without one).
-  A GPU the table does not hold takes the nearest one it does: the same compute capability
-  major version first, then the closest capability; an unknown capability (an export
-  target's name alone) takes the table's first GPU, the reference. If that GPU has no row
-  for the kernel, the next nearest that has one.
+  exporting from a host without one). A GPU the table does not hold takes the nearest one
+  it does: the same compute capability major version first, then the closest capability;
+  an unknown capability (an export target's name alone) takes the table's first GPU, the
+  reference. If that GPU has no row for the kernel, the next nearest that has one.
 * the row: the call's dtype if measured (else any dtype), then the size nearest the call's
   on a log scale (no size given: the largest measured, the size the table was made for).
 
 ``auto`` takes Pallas for a row whose Pallas arm was measured faster, the XLA path otherwise;
 off a GPU it is always the XLA path (``rudax.kernels._compat.resolve_impl``). Kernels without
-any row decide for themselves and say so in their docstrings: ``flash_attention``'s Pallas
-kernels were measured against cuDNN, not against their XLA path (a blocked loop of jnp), and
-``auto`` keeps them on a GPU. ``tests/kernels/test_auto.py`` checks the file against
+any row decide for themselves and say so in their docstrings. ``flash_attention``'s rows
+(size: the head dimension) time its Pallas kernels against cuDNN, not against its XLA path (a
+blocked loop of jnp), and ``auto`` keeps them on a GPU.
+
+A row's ``block`` is the block its Pallas arm was fastest with among the sweep's candidates:
+a kernel called with ``block=None`` and lowered for a GPU uses it
+(``rudax.kernels._compat.tuned_block``); off a GPU, and for rows without one, the block
+dataclass's defaults. ``tests/kernels/test_auto.py`` checks the file against
 ``docs/gpu_results.md`` and that ``auto`` never takes an arm its row measured slower.
 """
 
@@ -58,20 +62,24 @@ SCHEMA = 1
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """One kernel at one size and dtype on one GPU: its Pallas and XLA arms' speeds."""
+    """One kernel at one size and dtype on one GPU: its Pallas and XLA arms' speeds, and
+    the block the Pallas arm was fastest with."""
 
     kernel: str
     size: int  # the kernel's size class (module docstring)
     dtype: str  # the inputs' dtype, a numpy name
     group: str  # the benchmark's group and arms, as its table names them
     pallas_arm: str
-    xla_arm: str
+    xla_arm: str  # "" where the XLA path was not measured (flash_attention: against cuDNN)
     pallas: float  # speed vs the group's baseline (median over rounds)
-    xla: float
+    xla: float | None
+    # The Pallas arm's block, the fastest of the sweep's candidates: the fields of the
+    # kernel's block dataclass that differ from its defaults (None: the defaults).
+    block: dict[str, int] | None = None
 
     @property
     def pallas_wins(self) -> bool:
-        return self.pallas > self.xla
+        return self.xla is None or self.pallas > self.xla
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,14 +40,16 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import jax
 from jax.experimental import pallas as pl
 from jax.typing import ArrayLike
 
 from rudax._validation import check_bool, check_impl
-from rudax.kernels._auto import auto_takes_pallas
+from rudax.kernels._auto import auto_takes_pallas, lookup
+
+B = TypeVar("B")
 
 _triton: ModuleType | None
 with warnings.catch_warnings():
@@ -130,6 +132,33 @@ def target_gpu() -> tuple[str, str | None] | None:
             if d.platform == "gpu":
                 return d.device_kind, getattr(d, "compute_capability", None)
     return None
+
+
+def tuned_block(
+    block_type: type[B],
+    kernel: str,
+    *,
+    size: int,
+    dtype: Any,
+    default: Callable[[], B] | None = None,
+    exact: bool = False,
+) -> B:
+    """The block a kernel called with ``block=None`` uses: where it is lowered for a GPU,
+    the block its row of the measured table was fastest with (``rudax.kernels._auto``: the
+    row nearest ``size`` and ``dtype``; with ``exact``, only a row of this very size);
+    elsewhere, or without one, ``default()`` (``block_type()`` if None).
+
+    Example:
+      >>> import jax.numpy as jnp, rudax.kernels as rk
+      >>> tuned_block(rk.SiluMulBlock, "silu_mul", size=4096, dtype=jnp.bfloat16)  # no GPU
+      SiluMulBlock(size=1024, num_warps=4)
+    """
+    default = block_type if default is None else default
+    gpu = target_gpu()
+    found = None if gpu is None else lookup(kernel, size=size, dtype=dtype, gpu=gpu)
+    if found is None or found[1].block is None or (exact and found[1].size != size):
+        return default()
+    return block_type(**found[1].block)
 
 
 def gpu_lowering_available() -> bool:
@@ -228,10 +257,13 @@ def pallas_call(
     num_warps: int = 4,
     num_stages: int = 1,
     name: str | None = None,
+    input_output_aliases: dict[int, int] | None = None,
 ) -> Callable[..., Any]:
     """``pl.pallas_call`` with rudax's GPU lowering chosen (see the module docstring).
 
     Without ``in_specs``/``out_specs`` every kernel sees whole arrays and indexes them itself.
+    ``input_output_aliases``: {input index: output index} written in place (where the caller
+    donates the input; XLA copies it first otherwise).
     """
 
     def call(*args: Any) -> Any:
@@ -244,6 +276,7 @@ def pallas_call(
             interpret=interpret,
             name=name,
             compiler_params=gpu_compiler_params(num_warps=num_warps, num_stages=num_stages),
+            input_output_aliases=input_output_aliases or {},
         )(*args)
 
     return call

@@ -50,8 +50,8 @@ class FlashAttentionBlock:
     """
 
     # Pallas: FlashAttention-2's usual tiles for head_dim <= 128 on an A100/H100-class GPU
-    # (64 x 64 forward over 4 warps). Not tuned on a GPU by rudax yet: benchmarks/attention.py
-    # --gpu is where to tune them.
+    # (64 x 64 forward over 4 warps): the defaults. With block=None on a GPU, the block
+    # benchmarks/tune_gpu.py measured fastest there for the head dimension, where it has.
     q: int = 64
     kv: int = 64
     q_backward: int = 64
@@ -262,7 +262,9 @@ def flash_attention(
         compute differently).
       interpret: with ``impl="pallas"``, run the Pallas kernels in interpret mode, on any
         backend (for tests); ``impl="auto"`` ignores it, as every rudax kernel does.
-      block: the ``FlashAttentionBlock``; None for the default.
+      block: the ``FlashAttentionBlock``; None for the one measured fastest on the GPU
+        lowered for at this head dimension (``rudax/kernels/auto_table.json``), else the
+        default.
 
     Returns:
       ``[B, T, H, K]`` in ``v``'s dtype, from a jitted body that compiles once per shape,
@@ -310,7 +312,12 @@ def flash_attention(
     scale = _check_positive_static("scale", scale)
     scale = 1.0 / math.sqrt(kd) if scale is None else scale
     check_block(block, FlashAttentionBlock)
-    block = FlashAttentionBlock() if block is None else block
+    if block is None:
+        # The block its sweep measured fastest for this head dimension on the GPU lowered
+        # for, only for that very head dimension (a larger one may not fit its tiles).
+        block = _compat.tuned_block(
+            FlashAttentionBlock, "flash_attention", size=kd, dtype=q.dtype, exact=True
+        )
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
     if impl == "cudnn":

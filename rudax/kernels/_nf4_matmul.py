@@ -69,7 +69,8 @@ class NF4MatmulBlock:
     # A usual Triton fp16 matmul tile, with the taller M side: each program dequantizes its
     # weight tiles itself (some 25 shifts, compares and selects a weight), so W is dequantized
     # M / block_m times a pass, and a taller block_m amortises that over more rows of x. Not
-    # tuned on a GPU yet; benchmarks/kernels.py is where to tune it.
+    # tuned on a GPU yet: with block=None on a GPU, the block benchmarks/tune_gpu.py measured
+    # fastest there, once it has.
     block_m: int = 128
     block_n: int = 64
     block_k: int = 64
@@ -252,7 +253,8 @@ def nf4_matmul(
       impl: ``"auto"`` (the XLA path on every platform: on an H200 it ran 3.4x faster than
         the kernels, which are not yet tuned), ``"pallas"`` (the kernels on a GPU) or
         ``"xla"``.
-      block: the kernels' ``NF4MatmulBlock``; None for the default.
+      block: the kernels' ``NF4MatmulBlock``; None for the one measured fastest on the GPU
+        lowered for (``rudax/kernels/auto_table.json``), else the default.
       interpret: run the Pallas kernels in interpret mode, on any backend (for tests).
 
     Returns:
@@ -282,7 +284,7 @@ def nf4_matmul(
     c = _check_arguments(x, q, dtype)
     check_block(block, NF4MatmulBlock)
     if block is None:
-        block = NF4MatmulBlock()
+        block = _compat.tuned_block(NF4MatmulBlock, "nf4_matmul", size=q.shape[1], dtype=x.dtype)
     path = _choose_path(impl, interpret, x, q, c)
     return _nf4_matmul_jit(x, q, _Static(dtype=c, path=path, interpret=interpret, block=block))
 

@@ -130,7 +130,13 @@ def check_arguments(
     check_block(block, RowBlock)
     path = _choose_path(impl, interpret, x, kernel)
     if block is None:
-        block = _default_block(x.size // x.shape[-1], x.shape[-1])
+        block = _compat.tuned_block(
+            RowBlock,
+            kernel,
+            size=x.shape[-1],
+            dtype=x.dtype,
+            default=lambda: _default_block(x.size // x.shape[-1], x.shape[-1]),
+        )
     return epsilon, path, block
 
 

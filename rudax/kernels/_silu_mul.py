@@ -40,7 +40,8 @@ class SiluMulBlock:
     """
 
     # 1024 elements over 4 warps, 8 per thread: the usual shape of a Triton elementwise
-    # kernel. Not tuned on a GPU yet; benchmarks/kernels.py is where to tune it.
+    # kernel. Not tuned on a GPU yet: with block=None on a GPU, the block
+    # benchmarks/tune_gpu.py measured fastest there, once it has.
     size: int = 1024
     num_warps: int = 4
 
@@ -230,7 +231,8 @@ def silu_mul(
         2**31 - 1 elements) or ``"xla"`` (``silu_mul_reference``'s math, with the same
         recomputing backward).
       interpret: run the Pallas kernel in interpret mode, on any backend (for tests).
-      block: the kernels' ``SiluMulBlock``; None for the default.
+      block: the kernels' ``SiluMulBlock``; None for the one measured fastest on the GPU
+        lowered for (``rudax/kernels/auto_table.json``), else the default.
 
     Returns:
       ``silu(gate) * up`` with ``gate``'s shape and dtype, from a jitted body that compiles
@@ -258,7 +260,8 @@ def silu_mul(
     _check_operands(gate, up)
     check_block(block, SiluMulBlock)
     if block is None:
-        block = SiluMulBlock()
+        size = gate.shape[-1] if gate.ndim else 1
+        block = _compat.tuned_block(SiluMulBlock, "silu_mul", size=size, dtype=gate.dtype)
     resolved = _compat.resolve_impl(
         impl,
         interpret=interpret,

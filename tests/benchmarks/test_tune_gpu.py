@@ -5,10 +5,15 @@ its merge into the table and the document are what is checked)."""
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+import rudax.kernels as rk
 from benchmarks import tune_gpu
+from benchmarks.kernels import pallas_arm_name
 from rudax.kernels import _auto
+from tests.kernels._lowering import export, gpu_calls
 from tests.kernels.test_auto import _doc_rows
 
 
@@ -26,16 +31,42 @@ def test_the_sweep_gives_every_kernel_of_the_table_a_row(swept):
     assert json.loads(out.read_text()) == result  # the file is the whole result
     assert result["left_out"] == []
     measured = {row["kernel"] for row in result["gpu"]["kernels"]}
-    assert measured == {row.kernel for gpu in _auto.load_table() for row in gpu.kernels}
+    table = {row.kernel for gpu in _auto.load_table() for row in gpu.kernels}
+    assert measured == table | {"flash_attention"}
     # and so does the full sweep, the one run on a GPU
     assert {k for case in tune_gpu.cases() for k in case.kernels} == measured
 
 
-def test_the_full_sweep_starts_with_llama_8b_sizes():
-    first = tune_gpu.cases()[:5]
+def test_each_row_keeps_the_block_its_pallas_arm_was_fastest_with(swept):
+    _, result = swept
+    for row in result["gpu"]["kernels"]:
+        case = next(c for c in tune_gpu.cases(small=True) if c.group == row["group"])
+        candidates = {pallas_arm_name(case.pallas_arm, b) for b in case.blocks}
+        speeds = [r["speed_vs_baseline"][0] for r in result["groups"]
+                  if r["group"] == row["group"] and r["arm"] in candidates]  # fmt: skip
+        assert len(speeds) == len(candidates) and row["pallas"] == round(max(speeds), 3), row
+        block = next(
+            b for b in case.blocks if pallas_arm_name(case.pallas_arm, b) == row["pallas_arm"]
+        )
+        assert row["block"] == tune_gpu._block_fields(block)
+        if block is not None:  # the row rebuilds the very block
+            assert type(block)(**row["block"]) == block
+
+
+def test_an_arm_that_does_not_compile_is_dropped_and_named():
+    def bad():
+        raise ValueError("out of resources: shared memory, Required: 300000")
+
+    ok, failed = tune_gpu._compiled({"good": lambda: 1, "pallas q=256": bad})
+    assert list(ok) == ["good"]
+    assert failed == {"pallas q=256": "out of resources: shared memory, Required: 300000"}
+
+
+def test_the_full_sweep_starts_with_llama_8b_sizes_and_attention_at_head_dim_128():
+    first = tune_gpu.cases()[:6]
     assert [(c.kernels[0], c.size) for c in first] == [
         ("rms_norm", 4096), ("layer_norm", 4096), ("silu_mul", 14336),
-        ("nf4_matmul", 4096), ("nf4_matmul", 14336),
+        ("flash_attention", 128), ("nf4_matmul", 4096), ("nf4_matmul", 14336),
     ]  # fmt: skip
 
 
@@ -92,4 +123,51 @@ def test_gpu_checks_summary_shows_the_sweep(swept):
     _, result = swept
     lines = gpu_check._tune(result)
     assert lines[0] == "tune (cpu, for rudax/kernels/auto_table.json):"
-    assert sum(line.startswith("| rms_norm fwd+bwd (64, 256) bf16 |") for line in lines) == 4
+    # autodiff, xla, pallas twice (two candidate blocks) and the copy
+    assert sum(line.startswith("| rms_norm fwd+bwd (64, 256) bf16 |") for line in lines) == 5
+    assert sum(line.startswith("| flash_attention causal") for line in lines) == 3
+
+
+def _candidate_exports():
+    """(name, function, abstract arguments) of every candidate block at the sweep's sizes."""
+    s = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    out = []
+    for b in tune_gpu.ROW_BLOCKS[1:]:
+        for width in (1024, 4096, 8192):
+            args = (s((8192, width), bf16), s((width,), bf16))
+            rms = lambda x, v, b=b: rk.rms_norm(x, v, impl="pallas", block=b)
+            layer = lambda x, v, b=b: rk.layer_norm(x, v, v, impl="pallas", block=b)
+            out += [(f"rms_norm {b} {width}", rms, args), (f"layer_norm {b} {width}", layer, args)]
+    for b in tune_gpu.SILU_BLOCKS[1:]:
+        x = s((8192, 14336), bf16)
+        silu = lambda g, u, b=b: rk.silu_mul(g, u, impl="pallas", block=b)
+        out.append((f"silu_mul {b}", silu, (x, x)))
+    for b in tune_gpu.NF4_BLOCKS[1:]:
+        for k, n in ((4096, 14336), (14336, 4096)):
+            q = jax.eval_shape(rk.nf4_quantize, s((n, k), jnp.float32))
+            nf4 = lambda x, q, b=b: rk.nf4_matmul(x, q, impl="pallas", block=b)
+            out.append((f"nf4_matmul {b} {k}", nf4, (s((4096, k), bf16), q)))
+    for b in tune_gpu.ATTENTION_BLOCKS[1:]:
+        for kd in (64, 128):
+            x = s((2, 4096, 32, kd), bf16)
+            fn = lambda q, k, v, b=b: rk.flash_attention(
+                q, k, v, causal=True, impl="pallas", block=b
+            )
+            out.append((f"flash_attention {b} {kd}", fn, (x, x, x)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "args"), _candidate_exports(), ids=[c[0] for c in _candidate_exports()]
+)
+def test_every_candidate_block_lowers_for_cuda_at_the_sweeps_sizes(name, fn, args):
+    # What only the GPU lowering checks (block shapes, Triton's tensor-size limit), at the
+    # sizes the sweep runs, forward and backward (with respect to the first operand, which
+    # runs every backward kernel): a candidate failing here would fail on the GPU, where the
+    # minutes are few.
+    def forward_backward(x, *rest):
+        y, vjp = jax.vjp(lambda x: fn(x, *rest), x)
+        return vjp(y)
+
+    assert gpu_calls(export(forward_backward, *args).mlir_module()) >= 2, name

@@ -63,9 +63,10 @@ def test_every_kernel_name_the_kernels_pass_is_in_the_table():
 
 
 def test_every_kernel_with_a_pallas_path_is_in_the_table_or_decides_itself():
-    # flash_attention's kernels were measured against cuDNN, not against their XLA path:
-    # auto keeps them on a GPU, as its docstring says. Every other Pallas op has a row.
-    assert {row.kernel for _, row in ROWS} == {
+    # flash_attention's kernels are measured against cuDNN, not against their XLA path:
+    # auto keeps them on a GPU, as its docstring says, with a row (its tuned blocks) or
+    # without. Every other Pallas op has a row.
+    assert {row.kernel for _, row in ROWS} - {"flash_attention"} == {
         "rms_norm", "layer_norm", "silu_mul", "adamw_update", "global_norm", "nf4_matmul",
     }  # fmt: skip
     assert _auto.auto_takes_pallas("flash_attention")
@@ -186,3 +187,44 @@ def test_a_gpu_listed_twice_is_refused(tmp_path):
     path = _write(tmp_path, {"schema": 1, "gpus": [gpu, gpu]})
     with pytest.raises(ValueError, match=r"a GPU is listed twice in \['X', 'X'\]"):
         _auto.load_table(path)
+
+
+# ----------------------------------------------------------------------------- tuned blocks
+def _triton_configs(fn, *args, target):
+    with rk.gpu_export_target(target):
+        text = jax.export.export(
+            jax.jit(fn), platforms=["cuda"], disabled_checks=rk.EXPORT_DISABLED_CHECKS
+        )(*args).mlir_module()
+    return re.findall(r"grid_x = (\d+) : i32.*?num_warps\W+(\d+)", text)
+
+
+def test_a_kernel_without_a_block_takes_its_rows_tuned_block_on_that_gpu(monkeypatch):
+    row = dataclasses.replace(
+        _row("silu_mul", 4096, "bfloat16", 1.2, 1.0), block={"size": 2048, "num_warps": 8}
+    )
+    tuned = dataclasses.replace(H200, kernels=(row,))
+    monkeypatch.setattr(_auto, "_table", lambda: (tuned,))
+    x = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
+    silu = lambda g, u: rk.silu_mul(g, u, impl="pallas")
+    # 8 x 4096 elements in blocks of 2048 over 8 warps; the defaults are 1024 over 4
+    assert _triton_configs(silu, x, x, target="NVIDIA H200") == [("16", "8")]
+    given = lambda g, u: rk.silu_mul(g, u, impl="pallas", block=rk.SiluMulBlock())
+    assert _triton_configs(given, x, x, target="NVIDIA H200") == [("32", "4")]  # given wins
+    # off a GPU, the defaults (the interpreter's tests run what they always ran)
+    assert _compat.tuned_block(rk.SiluMulBlock, "silu_mul", size=4096, dtype=jnp.bfloat16) == (
+        rk.SiluMulBlock()
+    )
+
+
+def test_flash_attentions_tuned_block_is_for_its_own_head_dimension_only(monkeypatch):
+    row = _auto.Measured(
+        "flash_attention", 128, "bfloat16", "g", "p", "", 0.95, None, block={"q": 128}
+    )
+    monkeypatch.setattr(_auto, "_table", lambda: (dataclasses.replace(H200, kernels=(row,)),))
+    assert row.pallas_wins  # no XLA arm measured: the kernel decides (Pallas)
+    with rk.gpu_export_target("NVIDIA H200"):
+        block = lambda kd: _compat.tuned_block(
+            rk.FlashAttentionBlock, "flash_attention", size=kd, dtype=jnp.bfloat16, exact=True
+        )
+        assert block(128) == rk.FlashAttentionBlock(q=128)
+        assert block(64) == rk.FlashAttentionBlock()
