@@ -150,6 +150,7 @@ def all_stages() -> list[Stage]:
                 "{out}/tests.xml",
                 "tests/kernels",
                 "tests/optim/test_fused_adamw.py",
+                "tests/optim/test_update_and_apply.py",
                 "tests/layers",
             ),
             _junit,

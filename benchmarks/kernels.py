@@ -126,8 +126,9 @@ def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False) -> d
         holder["s"] = tx.init(holder["p"])
 
         def step(p, s, g):
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
+            # update then apply_updates, as a training step runs them (rudax's trainer too):
+            # fused_adamw's in one pass that writes p, m and v over their donated buffers
+            return ro.update_and_apply(tx, g, s, p)
 
         step = jax.jit(step, donate_argnums=(0, 1))
 

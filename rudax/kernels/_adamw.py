@@ -112,7 +112,17 @@ def as_operands(
 
 
 def _update_kernel(
-    s_ref, param_ref, grad_ref, m_ref, v_ref, *refs, num_elements, block_size, has_master, **flags
+    s_ref,
+    param_ref,
+    grad_ref,
+    m_ref,
+    v_ref,
+    *refs,
+    num_elements,
+    block_size,
+    has_master,
+    apply,
+    **flags,
 ) -> None:
     if has_master:
         w_ref, update_ref, m_out_ref, v_out_ref, w_out_ref = refs
@@ -122,9 +132,10 @@ def _update_kernel(
     s = unpack_scalars(s_ref)
     f32 = lambda ref: load_block(ref, mask).astype(jnp.float32)
     # Triton leaves a cast pair alone; XLA would be free to drop it (see _rounding.py).
+    param = load_block(param_ref, mask)
     update, m, v, new_master = adamw_step(
         s,
-        load_block(param_ref, mask),
+        param,
         f32(grad_ref),
         f32(m_ref),
         f32(v_ref),
@@ -132,7 +143,9 @@ def _update_kernel(
         rounding=round_by_cast,
         **flags,
     )
-    _compat.store(update_ref, update, mask=mask)
+    # With apply, the new parameter instead of the update: optax.apply_updates' p + u in the
+    # parameter's dtype, written over the parameter (aliased), so p is written once.
+    _compat.store(update_ref, param + update if apply else update, mask=mask)
     _compat.store(m_out_ref, m.astype(m_out_ref.dtype), mask=mask)
     _compat.store(v_out_ref, v.astype(v_out_ref.dtype), mask=mask)
     if new_master is not None:  # exactly when has_master
@@ -142,23 +155,41 @@ def _update_kernel(
 # --- the Pallas and XLA paths -------------------------------------------------------------
 
 
-def _update_reference(scalars, param, grad, exp_avg, exp_avg_sq, master, **flags):
+def _update_reference(scalars, param, grad, exp_avg, exp_avg_sq, master, *, apply=False, **flags):
     """The XLA path: the kernel's math on whole arrays, rounding with ``round_to``."""
     s = unpack_scalars(scalars)
     f32 = lambda x: x.astype(jnp.float32)
     update, m, v, new_master = adamw_step(
         s, param, f32(grad), f32(exp_avg), f32(exp_avg_sq), master, rounding=round_to, **flags
     )
-    return update, m.astype(exp_avg.dtype), v.astype(exp_avg_sq.dtype), new_master
+    first = param + update if apply else update  # optax.apply_updates' sum, in param's dtype
+    return first, m.astype(exp_avg.dtype), v.astype(exp_avg_sq.dtype), new_master
 
 
 @functools.partial(
-    jax.jit, static_argnames=("impl", "interpret", "block", "scaled", "decay", "skippable")
+    jax.jit,
+    static_argnames=("impl", "interpret", "block", "apply", "scaled", "decay", "skippable"),
 )
 def update_leaf(
-    scalars, param, grad, exp_avg, exp_avg_sq, master, *, impl, interpret, block, **flags
+    scalars,
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    master,
+    *,
+    impl,
+    interpret,
+    block,
+    apply=False,
+    **flags,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """One leaf's step on the resolved path, from ``prepare_step``'s scalars and arguments."""
+    """One leaf's step on the resolved path, from ``prepare_step``'s scalars and arguments.
+
+    With ``apply`` the first output is the new parameter, ``param + update`` in its dtype
+    (``optax.apply_updates``' sum), and the Pallas kernel writes it, the moments and the
+    master over their inputs (aliased: in place where the caller donates them).
+    """
     shape, n = param.shape, param.size
     if n == 0:
         impl = "xla"  # nothing for a kernel to do, and no grid to launch
@@ -169,7 +200,7 @@ def update_leaf(
         param, grad, exp_avg, exp_avg_sq = operands[:4]
         master = operands[4] if has_master else None
         update, m, v, new_master = _update_reference(
-            scalars, param, grad, exp_avg, exp_avg_sq, master, **flags
+            scalars, param, grad, exp_avg, exp_avg_sq, master, apply=apply, **flags
         )
         return (update, m, v) if new_master is None else (update, m, v, new_master)
 
@@ -181,8 +212,11 @@ def update_leaf(
             num_elements=n,
             block_size=block_size,
             has_master=has_master,
+            apply=apply,
             **flags,
         )
+        # Inputs (scalars, param, grad, m, v[, master]) to outputs (param, m, v[, master]).
+        aliases = {1: 0, 3: 1, 4: 2} | ({5: 3} if has_master else {})
         outs = _compat.pallas_call(
             kernel,
             out_shape=[
@@ -194,6 +228,7 @@ def update_leaf(
             interpret=interpret,
             num_warps=block.num_warps,
             name="adamw_update",
+            input_output_aliases=aliases if apply else None,
         )(scalars, *(x.reshape(n) for x in operands))
         return tuple(x.reshape(shape) for x in outs)
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import jax
 from jax.typing import ArrayLike
 
+from rudax._validation import check_bool
 from rudax.kernels._adamw import AdamWBlock, as_operands, prepare_step, update_leaf
 
 
@@ -39,6 +40,7 @@ def adamw_update_leaves(
     impl: str = "auto",
     interpret: bool = False,
     block: AdamWBlock | None = None,
+    apply: bool = False,
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list[jax.Array | None]]:
     """``adamw_update`` over many leaves with one set of scalars, and an optional skip.
 
@@ -68,11 +70,15 @@ def adamw_update_leaves(
       impl: ``"auto"``, ``"pallas"`` or ``"xla"``.
       interpret: run the Pallas kernel in interpret mode, on any backend (for tests).
       block: the kernel's ``AdamWBlock``; None for the default.
+      apply: return each new parameter, ``optax.apply_updates``' ``param + update`` in the
+        parameter's dtype, instead of the update: one pass writes the parameter, moments
+        and master, over their inputs on the Pallas path (in place where donated).
 
     Returns:
-      ``(updates, exp_avgs, exp_avg_sqs, masters)``, four lists with one entry per leaf as
-      ``adamw_update`` returns them. ``adamw_update``'s errors, prefixed ``leaf i:`` for an
-      array when there are several leaves; a ValueError if the sequences' lengths differ.
+      ``(updates, exp_avgs, exp_avg_sqs, masters)`` (with ``apply``, the new parameters
+      first), four lists with one entry per leaf as ``adamw_update`` returns them.
+      ``adamw_update``'s errors, prefixed ``leaf i:`` for an array when there are several
+      leaves; a ValueError if the sequences' lengths differ.
 
     Example:
       >>> import jax.numpy as jnp
@@ -99,7 +105,8 @@ def adamw_update_leaves(
     ]
     hyper = (count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
     scalars, static = prepare_step(*hyper, skip, impl=impl, interpret=interpret, block=block)
-    outs = [update_leaf(scalars, *operands, **static) for operands in leaves]
+    check_bool("apply", apply, allow_numpy=False)
+    outs = [update_leaf(scalars, *operands, apply=apply, **static) for operands in leaves]
     return (
         [o[0] for o in outs],
         [o[1] for o in outs],

@@ -16,6 +16,7 @@ from rudax.optim._adam import adam as adam
 from rudax.optim._adam import adamw as adamw
 from rudax.optim._adan import adan as adan
 from rudax.optim._adan import scale_by_adan as scale_by_adan
+from rudax.optim._apply import update_and_apply as update_and_apply
 from rudax.optim._clipping import ClipByGlobalNormState as ClipByGlobalNormState
 from rudax.optim._clipping import clip_by_global_norm as clip_by_global_norm
 from rudax.optim._clipping import clip_per_parameter as clip_per_parameter
@@ -85,5 +86,6 @@ __all__ = [
     "sgd",
     "skip_nonfinite",
     "step_schedule",
+    "update_and_apply",
     "warmup_cosine_decay_schedule",
 ]

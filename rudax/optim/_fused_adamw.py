@@ -34,6 +34,7 @@ from rudax._validation import (
     float_dtype,
 )
 from rudax.kernels._adamw_leaves import adamw_update_leaves
+from rudax.optim._apply import register_in_place
 from rudax.optim._base import safe_increment, transformation_with_extra_args
 from rudax.optim._clipping import clip_coefficient
 from rudax.optim._compat import flatten_up_to
@@ -133,6 +134,11 @@ def fused_adamw(
     (``rudax.kernels.global_norm_and_finite``), once by the per-array update kernel
     (``rudax.kernels.adamw_update``) with the moments and masters. The skip is a select
     inside that update pass, not a ``lax.cond``: no branch, no predicate read by the host.
+    ``rudax.optim.update_and_apply(tx, grads, state, params)`` (what ``rudax.sharding``'s
+    train steps call) makes that pass write the new parameters too, over the parameters,
+    moments and masters it read (in place where the step donates them), instead of an update
+    that ``optax.apply_updates`` reads back: on the Pallas path, one read and one write of
+    each; the same bits as the two calls.
 
     Args:
       learning_rate: a number >= 0, or a schedule of the count of applied updates (0 at the
@@ -244,6 +250,15 @@ def fused_adamw(
         updates: Any, state: FusedAdamWState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, FusedAdamWState]:
         del extra_args  # optax's convention: arguments for other transforms pass through
+        return step(updates, state, params, apply=False)
+
+    def apply_fn(grads: Any, state: FusedAdamWState, params: Any) -> tuple[Any, FusedAdamWState]:
+        return step(grads, state, params, apply=True)
+
+    def step(
+        updates: Any, state: FusedAdamWState, params: Any, *, apply: bool
+    ) -> tuple[Any, FusedAdamWState]:
+        """The update (or, with ``apply``, the new parameters) and the new state."""
         if params is None:
             raise ValueError("fused_adamw: update needs params (the stored parameters)")
         _refuse_complex("parameter", params)
@@ -295,6 +310,7 @@ def fused_adamw(
                 skip=skipped if skip_nonfinite else None,
                 impl=impl,
                 interpret=interpret,
+                apply=apply,
             )
             for j, i in enumerate(group):
                 outs[i] = [column[j] for column in results]
@@ -310,4 +326,6 @@ def fused_adamw(
             num_skipped=state.num_skipped + skipped.astype(jnp.int32),
         )
 
-    return transformation_with_extra_args(init_fn, update_fn)
+    tx = transformation_with_extra_args(init_fn, update_fn)
+    register_in_place(tx, apply_fn)
+    return tx

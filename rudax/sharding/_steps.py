@@ -6,8 +6,8 @@ One update, as data flows through it (``ARCHITECTURE.md``)::
         loss_sum, grads = value_and_grad(loss)(model)     a SUM over the counted tokens
         acc = acc.add(grads, weight=tokens)               (rudax.optim.GradientAccumulator)
     grads, acc = acc.pop(normalize=True)                apply(trained, opt_state, acc)
-    updates, opt_state = tx.update(grads, ...)
-    trained = optax.apply_updates(trained, updates)
+    trained, opt_state = update_and_apply(tx, grads, ...)  tx.update, optax.apply_updates
+                                                        (fused_adamw: one pass, in place)
 
 The model is ``nnx.split(model, wrt, nnx.RngState, ...)``: what is trained (``nnx.Param``
 for a whole model, ``rudax.layers.LoRAParam`` for adapters), the RNG state (dropout; empty
@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from rudax.optim import ClipByGlobalNormState, FusedAdamWState
+from rudax.optim import ClipByGlobalNormState, FusedAdamWState, update_and_apply
 from rudax.sharding._mesh import state_shardings
 
 __all__ = ["TrainSteps", "make_train_steps"]
@@ -151,8 +151,8 @@ def make_train_steps(
 
     def apply(trained, opt_state, acc):
         grads, acc = acc.pop(normalize=True)  # the mean over the window's counted tokens
-        updates, opt_state = tx.update(grads, opt_state, trained)
-        trained = optax.apply_updates(trained, updates)
+        # update then apply_updates; for fused_adamw one pass that writes the parameters
+        trained, opt_state = update_and_apply(tx, grads, opt_state, trained)
         # Fresh zeros (the emptied accumulator, new state) would come out replicated, and the
         # next call would compile again for them: pin everything where the inputs live.
         trained, opt_state, acc = constrain((trained, opt_state, acc))
