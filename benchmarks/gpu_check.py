@@ -102,7 +102,7 @@ def _junit(out: Path) -> dict[str, Any] | None:
 
 # What gpu_check.sh runs (issue 42's measurements): the others were measured on the first GPU
 # run (docs/gpu_results.md) and rerun by name, --only kernels,determinism,...
-DEFAULT = ("env", "tests", "tune", "attention", "trainer", "shared_prefix")
+DEFAULT = ("env", "tests", "tune", "attention", "trainer", "trainer_1b")
 
 
 def default_stages() -> list[Stage]:
@@ -133,7 +133,7 @@ def all_stages() -> list[Stage]:
         # run at the precision they check.
         Stage(
             "tests",
-            140,
+            130,
             (
                 "env",
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false",
@@ -160,14 +160,14 @@ def all_stages() -> list[Stage]:
         # the machine that commits, with python -m benchmarks.tune_gpu --merge.
         Stage(
             "tune",
-            190,
-            (py, "-m", "benchmarks.tune_gpu", "--budget-s", "150", "--out", "{out}/tune.json"),
+            180,
+            (py, "-m", "benchmarks.tune_gpu", "--budget-s", "145", "--out", "{out}/tune.json"),
             _json_file("tune"),
         ),
         # Flash attention: TFLOP/s of the Pallas kernels against cuDNN, causal and packed.
         Stage(
             "attention",
-            40,
+            35,
             (
                 py,
                 "-m",
@@ -200,9 +200,26 @@ def all_stages() -> list[Stage]:
         ),
         Stage(
             "trainer",
-            65,
+            60,
             (py, "-m", "benchmarks.gpu_trainer", "--json", "{out}/trainer.json"),
             _json_file("trainer"),
+        ),
+        # A 1B-class Llama (issue 42: measured besides the 124M one), fewer timed updates.
+        Stage(
+            "trainer_1b",
+            55,
+            (
+                py,
+                "-m",
+                "benchmarks.gpu_trainer",
+                "--preset",
+                "1b",
+                "--steps",
+                "5",
+                "--json",
+                "{out}/trainer_1b.json",
+            ),
+            _json_file("trainer_1b"),
         ),
         Stage(
             "determinism",
@@ -498,6 +515,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "kernels": _kernels,
     "tune": _tune,
     "trainer": _trainer,
+    "trainer_1b": _trainer,
     "determinism": _determinism,
     "embedding": _embedding,
     "remat": _remat,

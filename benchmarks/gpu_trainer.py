@@ -31,7 +31,10 @@ from typing import Any
 # Each preset's trainer recipe (benchmarks._trainer.trainer_recipe, the trainer's defaults
 # otherwise). "gpu": GPT-2 small's shape (width 768, 12 layers of 12 heads, 50304 tokens; a
 # Llama with a SwiGLU MLP of 2048, so 124M parameters), bf16 storage and compute, 32 x 1024
-# tokens per update; "mid" a quarter of it, for checks that start several processes.
+# tokens per update; "mid" a quarter of it, for checks that start several processes; "1b" a
+# 1B-class Llama (Llama 3.2 1B's blocks: width 2048, 16 layers of 32 query and 8 key/value
+# heads, MLP 8192, tied embeddings; a 32768-token vocabulary), 8 x 2048 tokens per update,
+# its layers scanned (one layer compiled: the budget of one GPU call is minutes).
 PRESETS: dict[str, dict[str, Any]] = {
     "gpu": dict(
         vocab_size=50304, seq_len=1024, hidden_size=768, num_hidden_layers=12,
@@ -40,6 +43,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mid": dict(
         vocab_size=32768, seq_len=512, hidden_size=512, num_hidden_layers=4,
         num_attention_heads=8, batch_size=16, compute_dtype="bfloat16",
+    ),
+    "1b": dict(
+        vocab_size=32768, seq_len=2048, hidden_size=2048, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192, batch_size=8,
+        compute_dtype="bfloat16", scan_layers=True,
     ),
     "tiny": dict(
         vocab_size=512, seq_len=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -106,11 +106,12 @@ def test_junit_counts(tmp_path):
 
 def test_default_stages_fit_eight_minutes_and_name_what_exists():
     assert [s.name for s in gpu_check.default_stages()] == [
-        "env", "tests", "tune", "attention", "trainer", "shared_prefix",
+        "env", "tests", "tune", "attention", "trainer", "trainer_1b",
     ]  # fmt: skip
     assert sum(s.budget_s for s in gpu_check.default_stages()) <= 8 * 60
     stages = gpu_check.all_stages()
-    names = ["env", "tests", "tune", "attention", "kernels", "trainer", "determinism"]
+    names = ["env", "tests", "tune", "attention", "kernels", "trainer", "trainer_1b"]
+    names += ["determinism"]
     names += ["embedding", "remat", "finetune_mesh", "shared_prefix", "post_train"]
     assert [s.name for s in stages] == names
     script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
@@ -203,3 +204,19 @@ def test_determinism_compares_losses_bit_for_bit():
     assert results["deterministic_step_time_ratio"] == pytest.approx(15.0 / 11.0)
     lines = gpu_check._determinism({"preset": "mid", **results})
     assert "default: differs at update 3" in lines[1] and "deterministic: bitwise" in lines[2]
+
+
+def test_the_1b_preset_is_a_1b_class_llama():
+    # Built abstractly (no memory): the preset the trainer_1b stage measures on the GPU.
+    import jax
+    from flax import nnx
+
+    from benchmarks._trainer import trainer_recipe
+
+    recipe = trainer_recipe(**gpu_trainer.PRESETS["1b"])
+    model = nnx.eval_shape(lambda: recipe.spec.create(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert 1.0e9 < params < 1.1e9, params
+    c = recipe.spec.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (32, 8, 64)
+    assert recipe.spec.scan_layers and recipe.batch_size * recipe.spec.seq_len == 16384
