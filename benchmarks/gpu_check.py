@@ -19,8 +19,9 @@ The stages ``gpu_check.sh`` runs (``DEFAULT``): the environment; the kernel, lay
 fused-optimizer tests compiled for the GPU (they interpret Pallas only where there is no
 GPU); ``benchmarks.tune_gpu`` (``impl="auto"``'s table, merged afterwards with ``--merge``);
 ``benchmarks.attention --gpu`` (flash attention's TFLOP/s against cuDNN);
-``benchmarks.gpu_trainer`` (tokens/s and MFU); ``benchmarks.shared_prefix``. Measured on
+``benchmarks.gpu_trainer`` (tokens/s and MFU, at 124M and at 1B parameters). Measured on
 the first GPU run and rerun by name with ``--only``: ``benchmarks.kernels``,
+``benchmarks.shared_prefix``,
 ``benchmarks.gpu_determinism``, ``benchmarks.embedding_backward`` under XLA's deterministic
 flags, ``benchmarks.remat`` (XLA's temporary bytes per remat policy),
 ``benchmarks.finetune_mesh``, ``benchmarks.post_train``. Exit code 0 when every stage is

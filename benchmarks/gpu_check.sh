@@ -3,7 +3,7 @@
 # jax 0.11+ (cuda13), flax, optax, orbax, chex and pytest: nothing is installed, nothing is
 # downloaded, rudax runs from PYTHONPATH. benchmarks/gpu_check.py runs the stages (tests
 # compiled for the GPU, the sweep for impl="auto"'s table, flash attention against cuDNN, the
-# trainer's tokens/s and MFU, the shared prefix), each within its own budget, and writes
+# trainer's tokens/s and MFU at 124M and 1B parameters), each within its own budget, and writes
 # summary.txt and results.json under $OUT (or ./gpu_results). It stops by itself within 9
 # minutes. Then, where the repository is committed from:
 #   python -m benchmarks.tune_gpu --merge $OUT/tune.json
