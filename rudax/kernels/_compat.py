@@ -124,7 +124,8 @@ def target_gpu() -> tuple[str, str | None] | None:
     local GPU, asked only once JAX has started its backends (asking would start them, after
     which ``XLA_FLAGS`` is no longer read).
     """
-    device = jax.sharding.get_abstract_mesh().abstract_device
+    # getattr: an empty mesh's device is None; a jax without the field, no target named
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     if device is not None and device.platform in ("cuda", "gpu"):
         return device.device_kind, None
     if backends_are_initialized():
