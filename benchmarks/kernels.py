@@ -108,7 +108,10 @@ def norm_arms(
     return arms
 
 
-def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False) -> dict:
+def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False, blocks=(None,)) -> dict:
+    """One AdamW step (update and apply) at ``n_params`` fp32 parameters per optimizer: the
+    unfused chain, its non-finite-skipping twin, and ``fused_adamw`` per impl, its Pallas arm
+    once per update-kernel block of ``blocks`` (as ``norm_arms``)."""
     d = 4096
     params = {"w": jnp.zeros((n_params // d, d), jnp.float32), "b": jnp.zeros((n_params % d + 1,))}
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
@@ -117,9 +120,10 @@ def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False) -> d
     # equivalent, the plain chain a lower bound that checks nothing.
     txs = {"adamw unfused chain": chain, "skip_nonfinite(chain)": ro.skip_nonfinite(chain)}
     for impl in impls:
-        txs[f"fused_adamw {impl}"] = ro.fused_adamw(
-            1e-3, max_grad_norm=1.0, impl=impl, interpret=interpret
-        )
+        for block in blocks if impl == "pallas" else (None,):
+            txs[pallas_arm_name(f"fused_adamw {impl}", block)] = ro.fused_adamw(
+                1e-3, max_grad_norm=1.0, impl=impl, interpret=interpret, block=block
+            )
 
     def make(tx):
         holder = {"p": jax.tree.map(jnp.copy, params)}

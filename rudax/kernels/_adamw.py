@@ -262,21 +262,23 @@ def prepare_step(
     impl: str,
     interpret: bool,
     block: AdamWBlock | None,
+    size: int,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """Checks a step's arguments; returns its scalars and ``update_leaf``'s static arguments.
 
-    The hyperparameters as ``adamw_update`` takes them; ``skip`` as ``adamw_update_leaves``.
+    The hyperparameters as ``adamw_update`` takes them; ``skip`` as ``adamw_update_leaves``;
+    ``size`` the step's parameter count (one leaf, or every leaf of the call), which picks
+    the measured row of ``impl="auto"`` and of ``block=None`` on a GPU.
     """
     check_hyperparameters(count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
     skip = check_skip(skip)
     check_block(block, AdamWBlock)
-    resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="adamw_update")
+    resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="adamw_update", size=size)
+    if block is None:
+        block = _compat.tuned_block(AdamWBlock, "adamw_update", size=size, dtype=None)
     scalars = step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale, skip)
     static = dict(
-        impl=resolved,
-        interpret=interpret,
-        block=AdamWBlock() if block is None else block,
-        **_flags(grad_scale, weight_decay, skip),
+        impl=resolved, interpret=interpret, block=block, **_flags(grad_scale, weight_decay, skip)
     )
     return scalars, static
 
@@ -362,7 +364,9 @@ def adamw_update(
     """
     operands = as_operands(param, grad, exp_avg, exp_avg_sq, master)
     hyper = (count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
-    scalars, static = prepare_step(*hyper, None, impl=impl, interpret=interpret, block=block)
+    scalars, static = prepare_step(
+        *hyper, None, impl=impl, interpret=interpret, block=block, size=operands[0].size
+    )
     return update_leaf(scalars, *operands, **static)
 
 

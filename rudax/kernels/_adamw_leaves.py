@@ -104,7 +104,10 @@ def adamw_update_leaves(
         for i, arrays in enumerate(zip(*sequences, strict=True))
     ]
     hyper = (count, learning_rate, b1, b2, eps, weight_decay, grad_scale)
-    scalars, static = prepare_step(*hyper, skip, impl=impl, interpret=interpret, block=block)
+    size = sum(operands[0].size for operands in leaves)
+    scalars, static = prepare_step(
+        *hyper, skip, impl=impl, interpret=interpret, block=block, size=size
+    )
     check_bool("apply", apply, allow_numpy=False)
     outs = [update_leaf(scalars, *operands, apply=apply, **static) for operands in leaves]
     return (

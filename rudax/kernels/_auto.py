@@ -6,9 +6,9 @@ script (``python -m benchmarks.tune_gpu`` on the GPU, then ``--merge`` into the 
 GPU name, each row is one kernel at one size and dtype: the speeds of its Pallas and XLA
 arms against the same baseline, medians over alternating rounds. A kernel's *size* is the
 one number its speed turns on: the feature width for ``rms_norm``, ``layer_norm``,
-``silu_mul`` and ``nf4_matmul`` (its in-features); the parameter count for
-``adamw_update`` and ``global_norm`` (``fused_adamw``'s two kernels), whose calls give no
-size (they see one leaf, or one tree of a model's), so they read the largest measured.
+``silu_mul`` and ``nf4_matmul`` (its in-features); the parameter count of the call for
+``adamw_update`` and ``global_norm`` (``fused_adamw``'s two kernels: every leaf it updates,
+or one leaf called alone).
 
 Which row a call reads (``auto_takes_pallas``):
 

@@ -187,10 +187,11 @@ def global_norm_and_finite(
     """
     check_bool("hierarchical", hierarchical, allow_numpy=False)
     check_block(block, GlobalNormBlock)
-    if block is None:
-        block = GlobalNormBlock()
     leaves = _floating_leaves(grads)
-    resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="global_norm")
+    size = sum(g.size for g in leaves)  # the measured row auto and block=None read
+    resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="global_norm", size=size)
+    if block is None:
+        block = _compat.tuned_block(GlobalNormBlock, "global_norm", size=size, dtype=None)
     return _global_norm_and_finite(
         leaves, hierarchical=hierarchical, impl=resolved, interpret=interpret, block=block
     )

@@ -34,6 +34,7 @@ from rudax._validation import (
     float_dtype,
 )
 from rudax.kernels._adamw_leaves import adamw_update_leaves
+from rudax.kernels._blocks import check_block
 from rudax.optim._apply import register_in_place
 from rudax.optim._base import safe_increment, transformation_with_extra_args
 from rudax.optim._clipping import clip_coefficient
@@ -79,7 +80,14 @@ def _refuse_complex(what: str, tree: Any) -> None:
 
 
 @static_arguments(
-    "skip_nonfinite", "master_dtype", "hierarchical_stats", "impl", "interpret", "mask"
+    "skip_nonfinite",
+    "master_dtype",
+    "hierarchical_stats",
+    "impl",
+    "interpret",
+    "mask",
+    "block",
+    "norm_block",
 )
 def fused_adamw(
     learning_rate: optax.ScalarOrSchedule,
@@ -95,6 +103,8 @@ def fused_adamw(
     impl: str = "auto",
     interpret: bool = False,
     mask: DecayMask = None,
+    block: rk.AdamWBlock | None = None,
+    norm_block: rk.GlobalNormBlock | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW with global-norm clipping, a non-finite skip and fp32 masters, fused.
 
@@ -163,6 +173,9 @@ def fused_adamw(
         like the parameters (or a prefix of it), or a callable of the parameters returning
         one. A False leaf still gets its step, without the ``weight_decay * w`` term (torch's
         parameter group with ``weight_decay=0``). None decays all.
+      block: the update kernel's ``rudax.kernels.AdamWBlock``; None for the one measured
+        fastest on the GPU lowered for (``rudax/kernels/auto_table.json``), else the default.
+      norm_block: the global norm kernel's ``rudax.kernels.GlobalNormBlock``, likewise.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a ``FusedAdamWState``.
@@ -215,6 +228,8 @@ def fused_adamw(
     check_bool("hierarchical_stats", hierarchical_stats)
     check_impl(impl)
     check_bool("interpret", interpret)
+    check_block(block, rk.AdamWBlock)
+    check_block(norm_block, rk.GlobalNormBlock)
     if mask is not None and not callable(mask):
         # Checked at construction too, so a typo fails before any data is loaded.
         for path, keep in jax.tree_util.tree_flatten_with_path(mask)[0]:
@@ -280,7 +295,7 @@ def fused_adamw(
         grads = [jnp.asarray(g) for g in leaves(updates)]
 
         norm, finite = rk.global_norm_and_finite(
-            grads, hierarchical=hierarchical_stats, impl=impl, interpret=interpret
+            grads, hierarchical=hierarchical_stats, impl=impl, interpret=interpret, block=norm_block
         )
         coefficient = None if max_grad_norm is None else clip_coefficient(norm, max_grad_norm)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
@@ -310,6 +325,7 @@ def fused_adamw(
                 skip=skipped if skip_nonfinite else None,
                 impl=impl,
                 interpret=interpret,
+                block=block,
                 apply=apply,
             )
             for j, i in enumerate(group):
