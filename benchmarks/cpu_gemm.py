@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,20 @@ def step_products(
         Product("dW", "down", f, n, d, "TN", layers),
         Product("dW", "head", vocab, chunk, d, "TN", chunks),
     ]
+
+
+def recipe_products(recipe: Any) -> list[Product]:
+    """``step_products`` of a ``benchmarks._trainer`` recipe: its model, tokens and chunk."""
+    c = recipe.spec.config
+    return step_products(
+        tokens=recipe.batch_size * recipe.spec.seq_len,
+        hidden=c.hidden_size,
+        mlp=c.intermediate_size,
+        vocab=c.vocab_size,
+        layers=c.num_hidden_layers,
+        chunk=recipe.spec.loss_chunk,
+        kv_width=c.num_key_value_heads * c.head_dim,
+    )
 
 
 def _operands(p: Product, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -171,18 +186,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
-    recipe = trainer_recipe()
-    c = recipe.spec.config
-    assert c.head_dim is not None and c.num_key_value_heads is not None
-    products = step_products(
-        tokens=recipe.batch_size * recipe.spec.seq_len,
-        hidden=c.hidden_size,
-        mlp=c.intermediate_size,
-        vocab=c.vocab_size,
-        layers=c.num_hidden_layers,
-        chunk=recipe.spec.loss_chunk,
-        kv_width=c.num_key_value_heads * c.head_dim,
-    )
+    products = recipe_products(trainer_recipe())
     rows = measure(products, rounds=args.rounds, iters=args.iters)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
           f"fp32; {args.rounds} alternating rounds x {args.iters} calls")  # fmt: skip

@@ -11,22 +11,9 @@ from benchmarks._trainer import trainer_recipe
 SIZES = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2)
 
 
-def _products(recipe):
-    c = recipe.spec.config
-    return cpu_gemm.step_products(
-        tokens=recipe.batch_size * recipe.spec.seq_len,
-        hidden=c.hidden_size,
-        mlp=c.intermediate_size,
-        vocab=c.vocab_size,
-        layers=c.num_hidden_layers,
-        chunk=recipe.spec.loss_chunk,
-        kv_width=c.num_key_value_heads * c.head_dim,
-    )
-
-
 def test_the_products_are_the_models():
     recipe = trainer_recipe(seq_len=64, **SIZES)
-    products = _products(recipe)
+    products = cpu_gemm.recipe_products(recipe)
     model = recipe.spec.create(0)
     kernels = [
         v.get_value().shape for path, v in nnx.iter_graph(model)
