@@ -74,7 +74,8 @@ class Measured:
     pallas: float  # speed vs the group's baseline (median over rounds)
     xla: float | None
     # The Pallas arm's block, the fastest of the sweep's candidates: the fields of the
-    # kernel's block dataclass that differ from its defaults (None: the defaults).
+    # kernel's block dataclass that differ from its defaults ({}: the defaults themselves;
+    # None: the kernel's own choice when called with block=None, as without a table).
     block: dict[str, int] | None = None
 
     @property
