@@ -108,17 +108,27 @@ def norm_arms(
     return arms
 
 
-def adamw_arms(impls: list[str], n_params: int, *, interpret: bool = False, blocks=(None,)) -> dict:
+def adamw_arms(
+    impls: list[str],
+    n_params: int,
+    *,
+    interpret: bool = False,
+    blocks=(None,),
+    skip_twin: bool = True,
+) -> dict:
     """One AdamW step (update and apply) at ``n_params`` fp32 parameters per optimizer: the
-    unfused chain, its non-finite-skipping twin, and ``fused_adamw`` per impl, its Pallas arm
-    once per update-kernel block of ``blocks`` (as ``norm_arms``)."""
+    unfused chain, its non-finite-skipping twin (unless ``skip_twin`` is False: every arm
+    holds its own parameters and moments, 12 bytes a parameter), and ``fused_adamw`` per impl,
+    its Pallas arm once per update-kernel block of ``blocks`` (as ``norm_arms``)."""
     d = 4096
     params = {"w": jnp.zeros((n_params // d, d), jnp.float32), "b": jnp.zeros((n_params % d + 1,))}
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
     chain = optax.chain(ro.clip_by_global_norm(1.0), ro.adamw(1e-3))
     # fused_adamw also skips non-finite steps; skip_nonfinite(chain) is its exact unfused
     # equivalent, the plain chain a lower bound that checks nothing.
-    txs = {"adamw unfused chain": chain, "skip_nonfinite(chain)": ro.skip_nonfinite(chain)}
+    txs = {"adamw unfused chain": chain}
+    if skip_twin:
+        txs["skip_nonfinite(chain)"] = ro.skip_nonfinite(chain)
     for impl in impls:
         for block in blocks if impl == "pallas" else (None,):
             txs[pallas_arm_name(f"fused_adamw {impl}", block)] = ro.fused_adamw(

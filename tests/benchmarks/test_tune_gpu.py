@@ -2,6 +2,7 @@
 sizes with Pallas in interpret mode (its timings mean nothing here; its file, its budget and
 its merge into the table and the document are what is checked)."""
 
+import dataclasses
 import json
 import shutil
 
@@ -12,7 +13,7 @@ import pytest
 import rudax.kernels as rk
 import rudax.optim as ro
 from benchmarks import tune_gpu
-from benchmarks.kernels import pallas_arm_name
+from benchmarks.kernels import adamw_arms, pallas_arm_name
 from rudax.kernels import _auto
 from tests.kernels._lowering import export, gpu_calls
 from tests.kernels.test_auto import _doc_rows
@@ -54,6 +55,28 @@ def test_each_row_keeps_the_block_its_pallas_arm_was_fastest_with(swept):
         assert row["block"] == (tune_gpu._block_fields(block) if mine else None)
         if block is not None and mine:  # the row rebuilds the very block
             assert type(block)(**row["block"]) == block
+
+
+def test_a_case_that_cannot_be_built_is_named_and_the_sweep_goes_on():
+    def build(impls, interpret):
+        raise MemoryError("RESOURCE_EXHAUSTED: Out of memory allocating 4000000000 bytes")
+
+    small = tune_gpu.cases(small=True)
+    case = dataclasses.replace(small[0], build=build)
+    assert tune_gpu.measure(case, interpret=True, rounds=1, iters=1) == (
+        [],
+        [],
+        {case.group: "RESOURCE_EXHAUSTED: Out of memory allocating 4000000000 bytes"},
+    )
+
+
+def test_at_1b_parameters_the_adamw_case_keeps_to_four_arms():
+    # Each arm holds 12 bytes a parameter: the chain, XLA, one Pallas arm and the copy fit
+    # an H100 at 1B; the candidate blocks are tried at 125M, the skipping twin left out.
+    big = next(c for c in tune_gpu.cases() if c.group.startswith("AdamW step, 1,000,000,000"))
+    assert big.blocks == (None,)
+    arms = adamw_arms(["xla", "pallas"], 4096, interpret=True, skip_twin=False)
+    assert list(arms) == ["adamw unfused chain", "fused_adamw xla", "fused_adamw pallas"]
 
 
 def test_an_arm_that_does_not_compile_is_dropped_and_named():
