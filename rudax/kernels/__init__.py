@@ -26,7 +26,6 @@ from rudax.kernels._adamw import AdamWBlock as AdamWBlock
 from rudax.kernels._adamw import adamw_update as adamw_update
 from rudax.kernels._adamw import adamw_update_reference as adamw_update_reference
 from rudax.kernels._compat import EXPORT_DISABLED_CHECKS as EXPORT_DISABLED_CHECKS
-from rudax.kernels._compat import gpu_export_target as gpu_export_target
 from rudax.kernels._decode_attention import decode_attention as decode_attention
 from rudax.kernels._decode_attention import (
     decode_attention_reference as decode_attention_reference,
@@ -61,6 +60,7 @@ from rudax.kernels._nf4_matmul import nf4_matmul_reference as nf4_matmul_referen
 from rudax.kernels._rms_norm import rms_norm as rms_norm
 from rudax.kernels._rms_norm import rms_norm_reference as rms_norm_reference
 from rudax.kernels._rowwise import RowBlock as RowBlock
+from rudax.kernels._target import gpu_export_target as gpu_export_target
 
 # [block: linear_cross_entropy]
 # isort: split

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.typing import ArrayLike
 
 from rudax._validation import STORAGE_DTYPES, check_power_of_two_fields
-from rudax.kernels import _compat, _platform
+from rudax.kernels import _auto, _compat, _platform
 from rudax.kernels._adamw_step import (
     NUM_SCALARS,
     adamw_step,
@@ -275,7 +275,7 @@ def prepare_step(
     check_block(block, AdamWBlock)
     resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="adamw_update", size=size)
     if block is None:
-        block = _compat.tuned_block(AdamWBlock, "adamw_update", size=size, dtype=None)
+        block = _auto.tuned_block(AdamWBlock, "adamw_update", size=size, dtype=None)
     scalars = step_scalars(count, learning_rate, b1, b2, eps, weight_decay, grad_scale, skip)
     static = dict(
         impl=resolved, interpret=interpret, block=block, **_flags(grad_scale, weight_decay, skip)

@@ -12,7 +12,7 @@ or one leaf called alone).
 
 Which row a call reads (``auto_takes_pallas``):
 
-* the GPU: the one the computation is lowered for (``_compat.target_gpu``), by name
+* the GPU: the one the computation is lowered for (``_target.target_gpu``), by name
   (``jax.Device.device_kind``, or the device of ``rudax.kernels.gpu_export_target`` when
   exporting from a host without one). A GPU the table does not hold takes the nearest one
   it does: the same compute capability major version first, then the closest capability;
@@ -29,7 +29,7 @@ blocked loop of jnp), and ``auto`` keeps them on a GPU.
 
 A row's ``block`` is the block its Pallas arm was fastest with among the sweep's candidates:
 a kernel called with ``block=None`` and lowered for a GPU uses it
-(``rudax.kernels._compat.tuned_block``); off a GPU, and for rows without one, the block
+(``tuned_block``); off a GPU, and for rows without one, the block
 dataclass's defaults. ``tests/kernels/test_auto.py`` checks the file against
 ``docs/gpu_results.md`` and that ``auto`` never takes an arm its row measured slower.
 """
@@ -40,10 +40,13 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+from rudax.kernels import _target
 
 __all__ = [
     "TABLE_PATH",
@@ -54,7 +57,10 @@ __all__ = [
     "load_table_text",
     "lookup",
     "nearest_gpus",
+    "tuned_block",
 ]
+
+B = TypeVar("B")
 
 TABLE_PATH = Path(__file__).with_name("auto_table.json")
 SCHEMA = 1
@@ -177,8 +183,35 @@ def auto_takes_pallas(
     gpu: tuple[str, str | None] | None = None,
 ) -> bool:
     """Whether ``impl="auto"`` runs ``kernel``'s Pallas path on ``gpu`` (``(device_kind,
-    compute capability)`` of the GPU lowered for, ``rudax.kernels._compat.target_gpu``):
+    compute capability)`` of the GPU lowered for, ``rudax.kernels._target.target_gpu``):
     measured faster there (or on the nearest GPU measured), or not in the table at all (the
     kernel decides)."""
     found = lookup(kernel, size=size, dtype=dtype, gpu=gpu)
     return found is None or found[1].pallas_wins
+
+
+def tuned_block(
+    block_type: type[B],
+    kernel: str,
+    *,
+    size: int,
+    dtype: Any,
+    default: Callable[[], B] | None = None,
+    exact: bool = False,
+) -> B:
+    """The block a kernel called with ``block=None`` uses: where it is lowered for a GPU,
+    the block its row of the measured table was fastest with (the
+    row nearest ``size`` and ``dtype``; with ``exact``, only a row of this very size);
+    elsewhere, or without one, ``default()`` (``block_type()`` if None).
+
+    Example:
+      >>> import jax.numpy as jnp, rudax.kernels as rk
+      >>> tuned_block(rk.SiluMulBlock, "silu_mul", size=4096, dtype=jnp.bfloat16)  # no GPU
+      SiluMulBlock(size=1024, num_warps=4)
+    """
+    default = block_type if default is None else default
+    gpu = _target.target_gpu()
+    found = None if gpu is None else lookup(kernel, size=size, dtype=dtype, gpu=gpu)
+    if found is None or found[1].block is None or (exact and found[1].size != size):
+        return default()
+    return block_type(**found[1].block)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from rudax.kernels import _compat
+from rudax.kernels import _target
 
 DETERMINISTIC_XLA_FLAGS: tuple[str, ...] = (
     "--xla_gpu_deterministic_ops=true",
@@ -48,7 +48,7 @@ def enable_deterministic_gpu() -> str:
       >>> rk.DETERMINISTIC_XLA_FLAGS[0]
       '--xla_gpu_deterministic_ops=true'
     """
-    if _compat.backends_are_initialized():
+    if _target.backends_are_initialized():
         raise RuntimeError(
             "enable_deterministic_gpu() must run before JAX initializes a backend (before "
             "the first array, device query or jit call): XLA reads XLA_FLAGS once. Call it "

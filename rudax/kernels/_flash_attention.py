@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rudax._validation import check_bool
-from rudax.kernels import _compat, _platform
+from rudax.kernels import _auto, _compat, _platform
 from rudax.kernels import _flash_attention_pallas as _pallas
 from rudax.kernels import _flash_attention_xla as _xla
 from rudax.kernels._attention_mask import Ids, Mask, unshared_positions
@@ -315,7 +315,7 @@ def flash_attention(
     if block is None:
         # The block its sweep measured fastest for this head dimension on the GPU lowered
         # for, only for that very head dimension (a larger one may not fit its tiles).
-        block = _compat.tuned_block(
+        block = _auto.tuned_block(
             FlashAttentionBlock, "flash_attention", size=kd, dtype=q.dtype, exact=True
         )
     if not isinstance(impl, str) or impl not in IMPLS:

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from rudax._validation import check_bool, check_floating_leaves, check_power_of_two_fields
-from rudax.kernels import _compat, _platform
+from rudax.kernels import _auto, _compat, _platform
 from rudax.kernels._blocks import check_block
 
 
@@ -191,7 +191,7 @@ def global_norm_and_finite(
     size = sum(g.size for g in leaves)  # the measured row auto and block=None read
     resolved = _compat.resolve_impl(impl, interpret=interpret, kernel="global_norm", size=size)
     if block is None:
-        block = _compat.tuned_block(GlobalNormBlock, "global_norm", size=size, dtype=None)
+        block = _auto.tuned_block(GlobalNormBlock, "global_norm", size=size, dtype=None)
     return _global_norm_and_finite(
         leaves, hierarchical=hierarchical, impl=resolved, interpret=interpret, block=block
     )

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from rudax._validation import check_positive_int, check_power_of_two, float_dtype
-from rudax.kernels import _compat, _nf4_matmul_pallas, _platform
+from rudax.kernels import _auto, _compat, _nf4_matmul_pallas, _platform
 from rudax.kernels._blocks import check_block
 from rudax.kernels._nf4 import NF4Tensor, _check_layout, nf4_dequantize
 
@@ -284,7 +284,7 @@ def nf4_matmul(
     c = _check_arguments(x, q, dtype)
     check_block(block, NF4MatmulBlock)
     if block is None:
-        block = _compat.tuned_block(NF4MatmulBlock, "nf4_matmul", size=q.shape[1], dtype=x.dtype)
+        block = _auto.tuned_block(NF4MatmulBlock, "nf4_matmul", size=q.shape[1], dtype=x.dtype)
     path = _choose_path(impl, interpret, x, q, c)
     return _nf4_matmul_jit(x, q, _Static(dtype=c, path=path, interpret=interpret, block=block))
 

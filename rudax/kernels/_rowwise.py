@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from rudax._validation import check_positive, check_positive_int, check_power_of_two
-from rudax.kernels import _compat
+from rudax.kernels import _auto, _compat
 from rudax.kernels._blocks import check_block
 
 # Features per row the Pallas path takes: one row must fit one block in registers. Wider
@@ -130,7 +130,7 @@ def check_arguments(
     check_block(block, RowBlock)
     path = _choose_path(impl, interpret, x, kernel)
     if block is None:
-        block = _compat.tuned_block(
+        block = _auto.tuned_block(
             RowBlock,
             kernel,
             size=x.shape[-1],

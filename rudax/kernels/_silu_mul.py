@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from rudax._validation import check_power_of_two_fields
-from rudax.kernels import _compat, _platform
+from rudax.kernels import _auto, _compat, _platform
 from rudax.kernels._blocks import block_size_for, check_block, load_block, tail_mask
 
 # The Triton lowering computes a block's start, program_id * block_size, in int32: with 1-D
@@ -261,7 +261,7 @@ def silu_mul(
     check_block(block, SiluMulBlock)
     if block is None:
         size = gate.shape[-1] if gate.ndim else 1
-        block = _compat.tuned_block(SiluMulBlock, "silu_mul", size=size, dtype=gate.dtype)
+        block = _auto.tuned_block(SiluMulBlock, "silu_mul", size=size, dtype=gate.dtype)
     resolved = _compat.resolve_impl(
         impl,
         interpret=interpret,

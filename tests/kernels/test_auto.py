@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import rudax.kernels as rk
-from rudax.kernels import _auto, _compat
+from rudax.kernels import _auto, _compat, _target
 from tests.kernels._lowering import gpu_calls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_the_table_is_the_measured_documents(gpu, row):
 @pytest.mark.parametrize(("gpu", "row"), ROWS, ids=ROW_IDS)
 def test_auto_takes_the_arm_measured_faster_on_that_gpu(gpu, row, monkeypatch):
     monkeypatch.setattr(_compat, "gpu_lowering_available", lambda: True)
-    monkeypatch.setattr(_compat, "target_gpu", lambda: (gpu.name, gpu.compute_capability))
+    monkeypatch.setattr(_target, "target_gpu", lambda: (gpu.name, gpu.compute_capability))
     path = _compat.resolve_impl("auto", kernel=row.kernel, size=row.size, dtype=row.dtype)
     # "auto" lowers Pallas for a GPU (and XLA elsewhere); "xla" is the XLA path everywhere
     assert path == ("auto" if row.pallas > row.xla else "xla"), (gpu.name, row)
@@ -139,9 +139,9 @@ def test_the_row_read_is_the_calls_dtype_then_the_nearest_size(size, dtype, expe
 
 
 def test_the_gpu_lowered_for_is_the_export_targets():
-    assert _compat.target_gpu() is None  # this CPU host
+    assert _target.target_gpu() is None  # this CPU host
     with rk.gpu_export_target("NVIDIA H200"):
-        assert _compat.target_gpu() == ("NVIDIA H200", None)
+        assert _target.target_gpu() == ("NVIDIA H200", None)
 
 
 @pytest.mark.parametrize(("target", "pallas"), [("NVIDIA H200", True), ("NVIDIA A100", False)])
@@ -211,7 +211,7 @@ def test_a_kernel_without_a_block_takes_its_rows_tuned_block_on_that_gpu(monkeyp
     given = lambda g, u: rk.silu_mul(g, u, impl="pallas", block=rk.SiluMulBlock())
     assert _triton_configs(given, x, x, target="NVIDIA H200") == [("32", "4")]  # given wins
     # off a GPU, the defaults (the interpreter's tests run what they always ran)
-    assert _compat.tuned_block(rk.SiluMulBlock, "silu_mul", size=4096, dtype=jnp.bfloat16) == (
+    assert _auto.tuned_block(rk.SiluMulBlock, "silu_mul", size=4096, dtype=jnp.bfloat16) == (
         rk.SiluMulBlock()
     )
 
@@ -223,7 +223,7 @@ def test_flash_attentions_tuned_block_is_for_its_own_head_dimension_only(monkeyp
     monkeypatch.setattr(_auto, "_table", lambda: (dataclasses.replace(H200, kernels=(row,)),))
     assert row.pallas_wins  # no XLA arm measured: the kernel decides (Pallas)
     with rk.gpu_export_target("NVIDIA H200"):
-        block = lambda kd: _compat.tuned_block(
+        block = lambda kd: _auto.tuned_block(
             rk.FlashAttentionBlock, "flash_attention", size=kd, dtype=jnp.bfloat16, exact=True
         )
         assert block(128) == rk.FlashAttentionBlock(q=128)
