@@ -424,17 +424,9 @@ def _attention(r: dict[str, Any]) -> list[str]:
 
 
 def _kernels(r: dict[str, Any]) -> list[str]:
-    lines = [f"kernels ({r.get('device')}):", "",
-             "| group | arm | ms | GB/s | / copy | speed vs baseline [min, max] |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    for row in r.get("rows", []):
-        speed = row.get("speed_vs_baseline")
-        text = "" if speed is None else f"{speed[0]:.3f}x [{speed[1]:.3f}, {speed[2]:.3f}]"
-        lines.append(
-            f"| {row['group']} | {row['arm']} | {row['ms']:.3f} | {row['gbps']:.1f} | "
-            f"{row['copy_fraction']:.2f} | {text} |"
-        )
-    return lines
+    from benchmarks.tune_gpu import table_lines  # jax's import, only for this table
+
+    return [f"kernels ({r.get('device')}):", "", *table_lines(r.get("rows", []))]
 
 
 def _tune(r: dict[str, Any]) -> list[str]:

@@ -51,15 +51,20 @@ def copy_arm(n: int, dtype) -> callable:
     return run
 
 
-def block_name(block) -> str:
-    """A block's fields that differ from its dataclass's defaults, ``"size=2048,num_warps=8"``
-    ("" for the defaults): the suffix of a Pallas arm run with it."""
+def block_fields(block) -> dict:
+    """A block's fields that differ from its dataclass's defaults ({} for the defaults)."""
     default = type(block)()
-    return ",".join(
-        f"{f.name}={getattr(block, f.name)}"
+    return {
+        f.name: getattr(block, f.name)
         for f in dataclasses.fields(block)
         if getattr(block, f.name) != getattr(default, f.name)
-    )
+    }
+
+
+def block_name(block) -> str:
+    """``block_fields`` as ``"size=2048,num_warps=8"`` ("" for the defaults): the suffix of a
+    Pallas arm run with it."""
+    return ",".join(f"{name}={value}" for name, value in block_fields(block).items())
 
 
 def pallas_arm_name(base: str, block) -> str:

@@ -49,6 +49,7 @@ from benchmarks.attention import _inputs as attention_inputs
 from benchmarks.attention import causal_flops
 from benchmarks.kernels import (
     adamw_arms,
+    block_fields,
     copy_arm,
     nf4_matmul_arms,
     norm_arms,
@@ -300,14 +301,7 @@ def _compiled(arms: dict) -> tuple[dict, dict[str, str]]:
 def _block_fields(block: Any) -> dict[str, int] | None:
     """A row's ``block``: the fields that differ from the defaults ({} for the defaults
     given explicitly); None for the kernel's own choice."""
-    if block is None:
-        return None
-    default = type(block)()
-    return {
-        f.name: getattr(block, f.name)
-        for f in dataclasses.fields(block)
-        if getattr(block, f.name) != getattr(default, f.name)
-    }
+    return None if block is None else block_fields(block)
 
 
 def _attention_rows(case: Case, times: dict) -> list[dict]:
